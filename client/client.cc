@@ -1,0 +1,420 @@
+// SamplerClient: channel setup (credentials, load balancing, message limits),
+// the retry loop, request builders and a dependency-free grpc.health.v1 call
+// (Debian ships no generated health stubs, and the messages are one field).
+#include "client/client.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "service/dtype_convert.h"
+
+// Tensor.data is little-endian on the wire; the request builders copy host
+// memory as it is.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "flashsampler's client assumes a little-endian host");
+
+namespace flashsampler {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path,
+                                     const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", what, " ", path));
+  }
+  std::stringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(
+    const ClientOptions& options) {
+  const bool tls = options.use_tls || !options.tls_root_certs_path.empty() ||
+                   !options.tls_client_cert_path.empty();
+  if (!tls) return grpc::InsecureChannelCredentials();
+  if (options.tls_client_cert_path.empty() !=
+      options.tls_client_key_path.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_client_cert_path and tls_client_key_path go together (mutual "
+        "TLS needs both)");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!options.tls_root_certs_path.empty()) {
+    auto roots = ReadFile(options.tls_root_certs_path, "TLS root certificates");
+    if (!roots.ok()) return roots.status();
+    ssl.pem_root_certs = *std::move(roots);
+  }
+  if (!options.tls_client_cert_path.empty()) {
+    auto cert = ReadFile(options.tls_client_cert_path, "TLS client cert");
+    if (!cert.ok()) return cert.status();
+    auto key = ReadFile(options.tls_client_key_path, "TLS client key");
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *std::move(cert);
+    ssl.pem_private_key = *std::move(key);
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+absl::Status CheckRowFields(const RequestFields& fields, int64_t rows) {
+  const auto row_count = static_cast<size_t>(rows);
+  if (!fields.seeds.empty() && fields.seeds.size() != row_count) {
+    return absl::InvalidArgumentError(absl::StrCat("seeds: expected 0 or ",
+                                                   rows,
+                                                   " entries (one per row), "
+                                                   "got ",
+                                                   fields.seeds.size()));
+  }
+  if (!fields.steps.empty() && fields.steps.size() != row_count) {
+    return absl::InvalidArgumentError(absl::StrCat("steps: expected 0 or ",
+                                                   rows,
+                                                   " entries (one per row), "
+                                                   "got ",
+                                                   fields.steps.size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckShape(size_t elements, int64_t rows, int64_t dim) {
+  if (rows < 1 || dim < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden states: rows and dim must be >= 1, got [", rows,
+                     ", ", dim, "]"));
+  }
+  if (elements != static_cast<size_t>(rows) * static_cast<size_t>(dim)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden states: expected rows x dim = ", rows, " x ", dim,
+                     " = ", rows * dim, " elements, got ", elements));
+  }
+  return absl::OkStatus();
+}
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kBf16:
+      return v1::DTYPE_BF16;
+    case DType::kFp16:
+      return v1::DTYPE_FP16;
+    case DType::kFp32:
+      return v1::DTYPE_FP32;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+v1::SampleRequest StartRequest(const RequestFields& fields, int64_t rows,
+                               int64_t dim, DType wire_dtype) {
+  v1::SampleRequest request;
+  request.set_request_id(fields.request_id);
+  *request.mutable_params() = fields.params;
+  request.mutable_seeds()->Add(fields.seeds.begin(), fields.seeds.end());
+  request.mutable_steps()->Add(fields.steps.begin(), fields.steps.end());
+  v1::Tensor* tensor = request.mutable_hidden_states();
+  tensor->set_dtype(ToProto(wire_dtype));
+  tensor->add_shape(rows);
+  tensor->add_shape(dim);
+  tensor->mutable_data()->resize(static_cast<size_t>(rows * dim) *
+                                 DTypeSize(wire_dtype));
+  return request;
+}
+
+// grpc.health.v1 messages in protobuf wire format. HealthCheckRequest is
+// {string service = 1}; HealthCheckResponse is {ServingStatus status = 1}
+// with UNKNOWN = 0, SERVING = 1, NOT_SERVING = 2, SERVICE_UNKNOWN = 3.
+std::string EncodeHealthRequest(const std::string& service) {
+  std::string out;
+  if (service.empty()) return out;  // proto3 omits the default value
+  out.push_back(0x0a);              // field 1, length-delimited
+  for (uint64_t n = service.size();; n >>= 7) {
+    if (n < 0x80) {
+      out.push_back(static_cast<char>(n));
+      break;
+    }
+    out.push_back(static_cast<char>((n & 0x7f) | 0x80));
+  }
+  return out + service;
+}
+
+bool ReadVarint(const std::string& in, size_t* pos, uint64_t* value) {
+  *value = 0;
+  for (int shift = 0; shift < 64 && *pos < in.size(); shift += 7) {
+    const auto byte = static_cast<uint8_t>(in[(*pos)++]);
+    *value |= static_cast<uint64_t>(byte & 0x7f) << shift;
+    if ((byte & 0x80) == 0) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<HealthStatus> DecodeHealthResponse(const std::string& in) {
+  uint64_t status = 0;  // absent field = UNKNOWN
+  size_t pos = 0;
+  while (pos < in.size()) {
+    uint64_t tag = 0;
+    if (!ReadVarint(in, &pos, &tag)) break;
+    uint64_t value = 0;
+    size_t skip = 0;
+    switch (tag & 7) {
+      case 0:
+        if (!ReadVarint(in, &pos, &value)) {
+          return absl::DataLossError("malformed HealthCheckResponse");
+        }
+        if ((tag >> 3) == 1) status = value;
+        continue;
+      case 1:
+        skip = 8;
+        break;
+      case 2:
+        if (!ReadVarint(in, &pos, &value)) {
+          return absl::DataLossError("malformed HealthCheckResponse");
+        }
+        skip = value;
+        break;
+      case 5:
+        skip = 4;
+        break;
+      default:
+        return absl::DataLossError("malformed HealthCheckResponse");
+    }
+    if (skip > in.size() - pos) {
+      return absl::DataLossError("truncated HealthCheckResponse");
+    }
+    pos += skip;
+  }
+  switch (status) {
+    case 1:
+      return HealthStatus::kServing;
+    case 2:
+      return HealthStatus::kNotServing;
+    case 3:
+      return HealthStatus::kServiceUnknown;
+    default:
+      return HealthStatus::kUnknown;
+  }
+}
+
+}  // namespace
+
+const char* HealthStatusName(HealthStatus status) {
+  switch (status) {
+    case HealthStatus::kServing:
+      return "SERVING";
+    case HealthStatus::kNotServing:
+      return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown:
+      return "SERVICE_UNKNOWN";
+    case HealthStatus::kUnknown:
+      break;
+  }
+  return "UNKNOWN";
+}
+
+absl::Status ToAbslStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+absl::StatusOr<v1::SampleRequest> MakeSampleRequest(
+    absl::Span<const float> hidden, int64_t rows, int64_t dim,
+    const RequestFields& fields, DType wire_dtype) {
+  if (auto s = CheckShape(hidden.size(), rows, dim); !s.ok()) return s;
+  if (auto s = CheckRowFields(fields, rows); !s.ok()) return s;
+  v1::SampleRequest request = StartRequest(fields, rows, dim, wire_dtype);
+  ConvertDType(DType::kFp32, hidden.data(), hidden.size(), wire_dtype,
+               request.mutable_hidden_states()->mutable_data()->data());
+  return request;
+}
+
+absl::StatusOr<v1::SampleRequest> MakeSampleRequest16(
+    absl::Span<const uint16_t> hidden_bits, int64_t rows, int64_t dim,
+    const RequestFields& fields, DType wire_dtype) {
+  if (wire_dtype == DType::kFp32) {
+    return absl::InvalidArgumentError(
+        "MakeSampleRequest16 takes bf16 or fp16 bit patterns, not fp32");
+  }
+  if (auto s = CheckShape(hidden_bits.size(), rows, dim); !s.ok()) return s;
+  if (auto s = CheckRowFields(fields, rows); !s.ok()) return s;
+  v1::SampleRequest request = StartRequest(fields, rows, dim, wire_dtype);
+  std::memcpy(request.mutable_hidden_states()->mutable_data()->data(),
+              hidden_bits.data(), hidden_bits.size() * sizeof(uint16_t));
+  return request;
+}
+
+absl::StatusOr<std::unique_ptr<SamplerClient>> SamplerClient::Create(
+    const ClientOptions& options) {
+  if (options.target.empty()) {
+    return absl::InvalidArgumentError("target: empty");
+  }
+  if (options.retry.max_attempts < 1) {
+    return absl::InvalidArgumentError("retry.max_attempts: must be >= 1");
+  }
+  if (options.retry.multiplier < 1.0 || options.retry.jitter < 0.0 ||
+      options.retry.jitter >= 1.0) {
+    return absl::InvalidArgumentError(
+        "retry: multiplier must be >= 1 and jitter in [0, 1)");
+  }
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("timeout: must be > 0");
+  }
+  auto credentials = MakeCredentials(options);
+  if (!credentials.ok()) return credentials.status();
+
+  grpc::ChannelArguments args;
+  if (!options.load_balancing_policy.empty()) {
+    args.SetLoadBalancingPolicyName(options.load_balancing_policy);
+  }
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  // Retries are ours (CallWithRetry), not a service-config retry policy, so
+  // that the backoff is visible, testable and bounded by our deadline. gRPC
+  // still retries transparently a call that never reached the server.
+  if (!options.tls_server_name_override.empty()) {
+    args.SetSslTargetNameOverride(options.tls_server_name_override);
+  }
+  auto channel = grpc::CreateCustomChannel(options.target, *credentials, args);
+  if (channel == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("cannot create a channel to ", options.target));
+  }
+  return std::unique_ptr<SamplerClient>(
+      new SamplerClient(options, std::move(channel)));
+}
+
+SamplerClient::SamplerClient(const ClientOptions& options,
+                             std::shared_ptr<grpc::Channel> channel)
+    : options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::Sampler::NewStub(channel_)) {}
+
+absl::Duration SamplerClient::Jittered(absl::Duration backoff) {
+  if (options_.retry.jitter == 0.0) return backoff;
+  absl::MutexLock lock(&rng_mu_);
+  return backoff * absl::Uniform(rng_, 1.0 - options_.retry.jitter,
+                                 1.0 + options_.retry.jitter);
+}
+
+absl::Status SamplerClient::CallWithRetry(
+    const std::function<grpc::Status(grpc::ClientContext*)>& attempt) {
+  const RetryOptions& retry = options_.retry;
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  absl::Duration backoff = retry.initial_backoff;
+  for (int attempts = 1;; ++attempts) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    context.set_wait_for_ready(options_.wait_for_ready);
+    const grpc::Status status = attempt(&context);
+    if (status.ok()) return absl::OkStatus();
+    absl::Status result = ToAbslStatus(status);
+    const bool retryable =
+        std::find(retry.retryable_codes.begin(), retry.retryable_codes.end(),
+                  result.code()) != retry.retryable_codes.end();
+    if (!retryable) return result;
+    const absl::Duration sleep = Jittered(backoff);
+    if (attempts >= retry.max_attempts || absl::Now() + sleep >= deadline) {
+      // Say why we stopped: "UNAVAILABLE ... (gave up after 4 attempts)"
+      // tells an operator the client did retry.
+      return absl::Status(
+          result.code(),
+          absl::StrCat(result.message(), " (gave up after ", attempts,
+                       attempts == 1 ? " attempt" : " attempts",
+                       attempts >= retry.max_attempts
+                           ? ")"
+                           : ": the next retry would pass the deadline)"));
+    }
+    retries_.fetch_add(1);
+    absl::SleepFor(sleep);
+    backoff = std::min(backoff * retry.multiplier, retry.max_backoff);
+  }
+}
+
+absl::StatusOr<v1::SampleResponse> SamplerClient::Sample(
+    const v1::SampleRequest& request) {
+  v1::SampleResponse response;
+  absl::Status status = CallWithRetry([&](grpc::ClientContext* context) {
+    response.Clear();
+    return stub_->Sample(context, request, &response);
+  });
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::StatusOr<v1::ModelInfo> SamplerClient::GetModelInfo() {
+  v1::ModelInfo info;
+  absl::Status status = CallWithRetry([&](grpc::ClientContext* context) {
+    info.Clear();
+    return stub_->GetModelInfo(context, v1::GetModelInfoRequest(), &info);
+  });
+  if (!status.ok()) return status;
+  return info;
+}
+
+absl::StatusOr<HealthStatus> SamplerClient::CheckHealth(
+    const std::string& service) {
+  grpc::GenericStub generic(channel_);
+  const std::string encoded = EncodeHealthRequest(service);
+  std::string reply;
+  absl::Status status = CallWithRetry([&](grpc::ClientContext* context) {
+    grpc::Slice slice(encoded);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    grpc::Status result;
+    absl::Notification done;
+    generic.UnaryCall(context, "/grpc.health.v1.Health/Check",
+                      grpc::StubOptions(), &request, &response,
+                      [&](grpc::Status s) {
+                        result = std::move(s);
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    reply.clear();
+    if (result.ok()) {
+      std::vector<grpc::Slice> slices;
+      if (!response.Dump(&slices).ok()) {
+        return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                            "unreadable HealthCheckResponse");
+      }
+      for (const grpc::Slice& s : slices) {
+        reply.append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+    }
+    return result;
+  });
+  if (absl::IsNotFound(status)) return HealthStatus::kServiceUnknown;
+  if (!status.ok()) return status;
+  return DecodeHealthResponse(reply);
+}
+
+void SamplerClient::SampleAsync(
+    std::shared_ptr<const v1::SampleRequest> request,
+    std::function<void(absl::StatusOr<v1::SampleResponse>)> done,
+    absl::Duration timeout) {
+  // Everything the call touches lives until its completion callback.
+  struct Call {
+    grpc::ClientContext context;
+    std::shared_ptr<const v1::SampleRequest> request;
+    v1::SampleResponse response;
+    std::function<void(absl::StatusOr<v1::SampleResponse>)> done;
+  };
+  auto* call = new Call;
+  call->request = std::move(request);
+  call->done = std::move(done);
+  if (timeout <= absl::ZeroDuration()) timeout = options_.timeout;
+  call->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  call->context.set_wait_for_ready(options_.wait_for_ready);
+  stub_->async()->Sample(&call->context, call->request.get(), &call->response,
+                         [call](grpc::Status status) {
+                           std::unique_ptr<Call> owned(call);
+                           if (status.ok()) {
+                             owned->done(std::move(owned->response));
+                           } else {
+                             owned->done(ToAbslStatus(status));
+                           }
+                         });
+}
+
+}  // namespace flashsampler

@@ -1,0 +1,152 @@
+// C++ client library for flashsamplerd: one channel (plaintext, TLS or mutual
+// TLS; round_robin over every address a target resolves to), per-call
+// deadlines and retry with exponential backoff and jitter on UNAVAILABLE.
+#ifndef FLASHSAMPLER_CLIENT_CLIENT_H_
+#define FLASHSAMPLER_CLIENT_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/random/random.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "flashsampler/v1/sampler.grpc.pb.h"
+#include "service/sampling_params.h"
+
+namespace flashsampler {
+
+// Retry of failed attempts. The sleep before retry k (k = 1, 2, ...) is
+// min(initial_backoff * multiplier^(k-1), max_backoff), scaled by a uniform
+// factor in [1 - jitter, 1 + jitter] so that many clients thrown off by the
+// same server restart do not come back in lockstep. Retries never outlive the
+// call's deadline (ClientOptions::timeout covers every attempt).
+struct RetryOptions {
+  // Attempts in total, the first included; 1 = never retry.
+  int max_attempts = 4;
+  absl::Duration initial_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(2);
+  double multiplier = 2.0;
+  double jitter = 0.2;  // in [0, 1)
+  // Codes worth another attempt. UNAVAILABLE means the request was not
+  // accepted (server loading, draining, restarting or unreachable), so a
+  // retry cannot sample a row twice. RESOURCE_EXHAUSTED (queue full) is not
+  // here by default: retrying into an overloaded server makes it worse.
+  std::vector<absl::StatusCode> retryable_codes = {
+      absl::StatusCode::kUnavailable};
+};
+
+struct ClientOptions {
+  // Any gRPC target: "host:port", "dns:///name:port" (every A/AAAA record
+  // becomes a backend: a headless Kubernetes Service), "ipv4:a:p,b:q",
+  // "unix:/path".
+  std::string target = "localhost:50051";
+  // "round_robin" spreads calls over every resolved address that is READY;
+  // "pick_first" sticks to one connection.
+  std::string load_balancing_policy = "round_robin";
+  // Transport security. With all of these empty and use_tls false the
+  // channel is plaintext. use_tls alone uses the system's root certificates.
+  bool use_tls = false;
+  std::string tls_root_certs_path;   // PEM CA bundle that signed the server
+  std::string tls_client_cert_path;  // PEM client chain (mutual TLS)
+  std::string tls_client_key_path;   // PEM key of tls_client_cert_path
+  // Name checked against the server certificate instead of the target's host
+  // (tests, or addressing a pod by IP). Empty = the target's host.
+  std::string tls_server_name_override;
+  // Deadline of one client call, every retry and backoff included.
+  absl::Duration timeout = absl::Seconds(10);
+  RetryOptions retry;
+  // Largest message sent or received. A request is B x D x dtype bytes plus
+  // a little: 256 rows x 8192 x fp32 = 8 MiB.
+  int max_message_bytes = 256 << 20;
+  // Queue calls while the channel connects instead of failing fast with
+  // UNAVAILABLE (useful right after the server starts).
+  bool wait_for_ready = false;
+};
+
+// grpc.health.v1 serving status.
+enum class HealthStatus { kUnknown, kServing, kNotServing, kServiceUnknown };
+const char* HealthStatusName(HealthStatus status);
+
+// Per-request fields of a SampleRequest other than the hidden states.
+struct RequestFields {
+  std::string request_id;
+  // Empty (the server draws a seed per row and returns it) or one per row.
+  std::vector<uint64_t> seeds;
+  // Empty (step 0 for every row) or one per row.
+  std::vector<uint64_t> steps;
+  // Broadcast to every row.
+  v1::SamplingParams params;
+};
+
+// Builds a request from row-major fp32 hidden states [rows, dim], sent as
+// `wire_dtype` (bf16 and fp16 round to nearest even). InvalidArgument when the
+// sizes disagree or seeds/steps are neither empty nor one per row.
+absl::StatusOr<v1::SampleRequest> MakeSampleRequest(
+    absl::Span<const float> hidden, int64_t rows, int64_t dim,
+    const RequestFields& fields, DType wire_dtype = DType::kFp32);
+
+// Same from bf16 (or fp16) bit patterns, sent as they are.
+absl::StatusOr<v1::SampleRequest> MakeSampleRequest16(
+    absl::Span<const uint16_t> hidden_bits, int64_t rows, int64_t dim,
+    const RequestFields& fields, DType wire_dtype = DType::kBf16);
+
+// gRPC status -> absl::Status (the code numbers are the same google.rpc.Code).
+absl::Status ToAbslStatus(const grpc::Status& status);
+
+// Thread-safe; one per process is enough (the channel multiplexes calls).
+class SamplerClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<SamplerClient>> Create(
+      const ClientOptions& options);
+
+  // One Sample call with deadline and retries.
+  absl::StatusOr<v1::SampleResponse> Sample(const v1::SampleRequest& request);
+  absl::StatusOr<v1::ModelInfo> GetModelInfo();
+  // grpc.health.v1.Health/Check; "" asks about the whole server. A service
+  // the server does not know is kServiceUnknown (the protocol's NOT_FOUND).
+  absl::StatusOr<HealthStatus> CheckHealth(const std::string& service = "");
+
+  // One attempt, no retry, non-blocking: `done` runs on a gRPC thread when
+  // the call ends. For load generators that must not wait for a response
+  // before sending the next request. `timeout` <= 0 uses options().timeout.
+  // The request is shared, not copied: a load generator sends one request
+  // many times.
+  void SampleAsync(std::shared_ptr<const v1::SampleRequest> request,
+                   std::function<void(absl::StatusOr<v1::SampleResponse>)> done,
+                   absl::Duration timeout = absl::ZeroDuration());
+
+  // Attempts that failed with a retryable code and were retried, over the
+  // client's lifetime.
+  int64_t retries() const { return retries_.load(); }
+  const ClientOptions& options() const { return options_; }
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  SamplerClient(const ClientOptions& options,
+                std::shared_ptr<grpc::Channel> channel);
+
+  // Runs `attempt` (one RPC on the given context) until it succeeds, fails
+  // with a code not worth retrying, runs out of attempts or of deadline.
+  absl::Status CallWithRetry(
+      const std::function<grpc::Status(grpc::ClientContext*)>& attempt);
+  absl::Duration Jittered(absl::Duration backoff);
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Sampler::Stub> stub_;
+  std::atomic<int64_t> retries_{0};
+  absl::Mutex rng_mu_;
+  absl::BitGen rng_ ABSL_GUARDED_BY(rng_mu_);
+};
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_CLIENT_CLIENT_H_

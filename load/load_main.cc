@@ -1,0 +1,159 @@
+// fs_load: load generator for flashsamplerd.
+//   fs_load --target=host:port --mode=closed --concurrency=16 --duration=30s
+//   fs_load --target=host:port --mode=open --rate=500 --rows=4 --csv=run.csv
+// Prints latency percentiles, throughput and error counts by gRPC code;
+// --csv writes one line per call (load/plot_latency.py plots it) and
+// --summary_csv appends one line per run (for sweeps).
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "client/hidden_states.h"
+#include "load/load_runner.h"
+#include "load/load_stats.h"
+
+ABSL_FLAG(std::string, target, "localhost:50051",
+          "gRPC target (dns:///name:port spreads over every address)");
+ABSL_FLAG(std::string, mode, "closed",
+          "closed: --concurrency callers back to back; open: Poisson "
+          "arrivals at --rate per second");
+ABSL_FLAG(int, concurrency, 8, "closed loop: concurrent callers");
+ABSL_FLAG(double, rate, 100.0, "open loop: mean requests per second");
+ABSL_FLAG(int, max_outstanding, 10000,
+          "open loop: most calls in flight; later arrivals count as dropped");
+ABSL_FLAG(absl::Duration, duration, absl::Seconds(10), "measured window");
+ABSL_FLAG(absl::Duration, warmup, absl::Seconds(1),
+          "load before the measured window, not recorded");
+ABSL_FLAG(int, rows, 1, "rows (hidden states) per request");
+ABSL_FLAG(std::string, hidden_file, "",
+          "hidden states (.npy or raw fp32 with --rows rows); default random");
+ABSL_FLAG(std::string, dtype, "bf16", "wire dtype: fp32, bf16 or fp16");
+ABSL_FLAG(float, temperature, 1.0f, "sampling temperature; 0 = greedy");
+ABSL_FLAG(int, n, 1, "samples per row");
+ABSL_FLAG(uint64_t, seed, 1,
+          "seed of the random hidden states and of the arrival process");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "deadline per call");
+ABSL_FLAG(int, retries, 1,
+          "attempts per call in closed loop (1 = none, so that every "
+          "UNAVAILABLE is counted); the open loop never retries");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the server");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mutual TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM client key (mutual TLS)");
+ABSL_FLAG(std::string, tls_server_name, "", "expected server name");
+ABSL_FLAG(std::string, csv, "", "write one line per call here");
+ABSL_FLAG(std::string, summary_csv, "", "append one line per run here");
+ABSL_FLAG(std::string, label, "", "label of this run in --summary_csv");
+
+namespace flashsampler {
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "fs_load: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "fs_load --target=host:port [--mode=closed --concurrency=N | "
+      "--mode=open --rate=R] [--duration=10s --rows=B --csv=out.csv]");
+  absl::ParseCommandLine(argc, argv);
+
+  LoadOptions load;
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode == "closed") {
+    load.mode = LoadOptions::Mode::kClosed;
+  } else if (mode == "open") {
+    load.mode = LoadOptions::Mode::kOpen;
+  } else {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--mode: closed or open, got \"", mode, "\"")));
+  }
+  load.concurrency = absl::GetFlag(FLAGS_concurrency);
+  load.rate = absl::GetFlag(FLAGS_rate);
+  load.max_outstanding = absl::GetFlag(FLAGS_max_outstanding);
+  load.duration = absl::GetFlag(FLAGS_duration);
+  load.warmup = absl::GetFlag(FLAGS_warmup);
+  load.seed = absl::GetFlag(FLAGS_seed);
+
+  ClientOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.timeout = absl::GetFlag(FLAGS_timeout);
+  options.retry.max_attempts = absl::GetFlag(FLAGS_retries);
+  options.tls_root_certs_path = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_client_cert_path = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_client_key_path = absl::GetFlag(FLAGS_tls_key);
+  options.tls_server_name_override = absl::GetFlag(FLAGS_tls_server_name);
+  auto client = SamplerClient::Create(options);
+  if (!client.ok()) return Fail(client.status());
+
+  DType dtype = DType::kBf16;
+  const std::string dtype_name = absl::GetFlag(FLAGS_dtype);
+  if (dtype_name == "fp32") {
+    dtype = DType::kFp32;
+  } else if (dtype_name == "fp16") {
+    dtype = DType::kFp16;
+  } else if (dtype_name != "bf16") {
+    return Fail(absl::InvalidArgumentError("--dtype: fp32, bf16 or fp16"));
+  }
+  HiddenStates hidden;
+  if (const std::string file = absl::GetFlag(FLAGS_hidden_file);
+      !file.empty()) {
+    auto loaded = LoadHiddenStates(file, absl::GetFlag(FLAGS_rows));
+    if (!loaded.ok()) return Fail(loaded.status());
+    hidden = ConvertHiddenStates(*loaded, dtype);
+  } else {
+    auto info = (*client)->GetModelInfo();
+    if (!info.ok()) return Fail(info.status());
+    hidden = RandomHiddenStates(absl::GetFlag(FLAGS_rows), info->hidden_size(),
+                                absl::GetFlag(FLAGS_seed), dtype);
+  }
+  RequestFields fields;  // no seeds: the server draws fresh ones per call
+  fields.params.set_temperature(absl::GetFlag(FLAGS_temperature));
+  if (absl::GetFlag(FLAGS_n) != 1) fields.params.set_n(absl::GetFlag(FLAGS_n));
+  auto request = MakeSampleRequest(hidden, fields);
+  if (!request.ok()) return Fail(request.status());
+
+  auto result = RunLoad(
+      **client, std::make_shared<const v1::SampleRequest>(*std::move(request)),
+      load);
+  if (!result.ok()) return Fail(result.status());
+  const LoadSummary summary =
+      Summarize(result->records, result->duration_s, result->dropped);
+  std::printf("target        %s\nmode          %s", options.target.c_str(),
+              mode.c_str());
+  if (load.mode == LoadOptions::Mode::kClosed) {
+    std::printf(" (%d callers)", load.concurrency);
+  } else {
+    std::printf(" (%.1f req/s offered)", load.rate);
+  }
+  std::printf(", %lld rows per request\n%s",
+              static_cast<long long>(hidden.rows),
+              FormatSummary(summary).c_str());
+
+  if (const std::string csv = absl::GetFlag(FLAGS_csv); !csv.empty()) {
+    if (auto s = WriteRecordsCsv(csv, result->records); !s.ok()) return Fail(s);
+  }
+  if (const std::string csv = absl::GetFlag(FLAGS_summary_csv); !csv.empty()) {
+    RunLabel run;
+    run.label = absl::GetFlag(FLAGS_label);
+    run.mode = mode;
+    run.concurrency = load.concurrency;
+    run.rate = load.mode == LoadOptions::Mode::kOpen ? load.rate : 0.0;
+    run.rows = static_cast<int>(hidden.rows);
+    if (auto s = AppendSummaryCsv(csv, run, summary); !s.ok()) return Fail(s);
+  }
+  // Exit status says whether every call succeeded, for scripts and CI.
+  return summary.errors == 0 && summary.dropped == 0 && summary.ok > 0 ? 0 : 3;
+}
+
+}  // namespace
+}  // namespace flashsampler
+
+int main(int argc, char** argv) { return flashsampler::Main(argc, argv); }

@@ -1,0 +1,167 @@
+// Closed-loop callers on threads; the open loop on one dispatcher thread that
+// sends at the scheduled Poisson arrival times through the async client API,
+// so that slow answers never delay the next send.
+#include "load/load_runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "absl/synchronization/mutex.h"
+
+namespace flashsampler {
+namespace {
+
+int RequestRows(const v1::SampleRequest& request) {
+  const auto& shape = request.hidden_states().shape();
+  return shape.empty() ? 0 : static_cast<int>(shape[0]);
+}
+
+// OK only when the answer has rows x n tokens: a load test must not count a
+// wrong answer as a fast one.
+absl::StatusCode Check(const absl::StatusOr<v1::SampleResponse>& response,
+                       int rows) {
+  if (!response.ok()) return response.status().code();
+  const int n = std::max(response->n(), 1);
+  return response->token_ids_size() == rows * n ? absl::StatusCode::kOk
+                                                : absl::StatusCode::kDataLoss;
+}
+
+bool ByStart(const CallRecord& a, const CallRecord& b) {
+  return a.start_s < b.start_s;
+}
+
+LoadResult RunClosed(SamplerClient& client, const v1::SampleRequest& request,
+                     const LoadOptions& options) {
+  const int rows = RequestRows(request);
+  const absl::Time measure_start = absl::Now() + options.warmup;
+  const absl::Time end = measure_start + options.duration;
+  std::vector<std::vector<CallRecord>> per_caller(
+      static_cast<size_t>(options.concurrency));
+  std::vector<std::thread> callers;
+  for (int i = 0; i < options.concurrency; ++i) {
+    callers.emplace_back([&, i] {
+      std::vector<CallRecord>& records = per_caller[static_cast<size_t>(i)];
+      for (absl::Time start = absl::Now(); start < end; start = absl::Now()) {
+        const absl::StatusCode code = Check(client.Sample(request), rows);
+        const absl::Time done = absl::Now();
+        if (start < measure_start) continue;
+        records.push_back({absl::ToDoubleSeconds(start - measure_start),
+                           absl::ToDoubleSeconds(done - start), code, rows});
+      }
+    });
+  }
+  for (std::thread& caller : callers) caller.join();
+  LoadResult result;
+  result.duration_s = absl::ToDoubleSeconds(options.duration);
+  for (auto& records : per_caller) {
+    result.records.insert(result.records.end(), records.begin(), records.end());
+  }
+  std::sort(result.records.begin(), result.records.end(), ByStart);
+  return result;
+}
+
+// What the open loop's completion callbacks share with the dispatcher. Held
+// by shared_ptr: the last callback may still be unlocking `mu` when the
+// dispatcher wakes up and returns.
+struct OpenLoopState {
+  absl::Mutex mu;
+  std::vector<CallRecord> records ABSL_GUARDED_BY(mu);
+  int outstanding ABSL_GUARDED_BY(mu) = 0;
+};
+
+LoadResult RunOpen(SamplerClient& client,
+                   std::shared_ptr<const v1::SampleRequest> request,
+                   const LoadOptions& options) {
+  const int rows = RequestRows(*request);
+  const double warmup_s = absl::ToDoubleSeconds(options.warmup);
+  const std::vector<double> arrivals = PoissonArrivals(
+      options.rate, warmup_s + absl::ToDoubleSeconds(options.duration),
+      options.seed);
+  auto state = std::make_shared<OpenLoopState>();
+  LoadResult result;
+  const absl::Time t0 = absl::Now();
+  for (double arrival : arrivals) {
+    const absl::Time scheduled = t0 + absl::Seconds(arrival);
+    const absl::Duration wait = scheduled - absl::Now();
+    if (wait > absl::ZeroDuration()) absl::SleepFor(wait);
+    const bool measured = arrival >= warmup_s;
+    {
+      absl::MutexLock lock(&state->mu);
+      if (state->outstanding >= options.max_outstanding) {
+        if (measured) ++result.dropped;
+        continue;
+      }
+      ++state->outstanding;
+    }
+    client.SampleAsync(
+        request, [state, scheduled, measured, rows, arrival,
+                  warmup_s](absl::StatusOr<v1::SampleResponse> response) {
+          const absl::StatusCode code = Check(response, rows);
+          const absl::Time done = absl::Now();
+          absl::MutexLock lock(&state->mu);
+          if (measured) {
+            state->records.push_back({arrival - warmup_s,
+                                      absl::ToDoubleSeconds(done - scheduled),
+                                      code, rows});
+          }
+          --state->outstanding;
+        });
+  }
+  {
+    // Every call ends by its deadline, so this wait is bounded.
+    absl::MutexLock lock(&state->mu);
+    state->mu.Await(absl::Condition(
+        +[](int* outstanding) { return *outstanding == 0; },
+        &state->outstanding));
+    result.records = std::move(state->records);
+  }
+  result.duration_s = absl::ToDoubleSeconds(options.duration);
+  std::sort(result.records.begin(), result.records.end(), ByStart);
+  return result;
+}
+
+}  // namespace
+
+std::vector<double> PoissonArrivals(double rate, double horizon_s,
+                                    uint64_t seed) {
+  std::vector<double> arrivals;
+  if (rate <= 0.0 || horizon_s <= 0.0) return arrivals;
+  std::mt19937_64 gen(seed);
+  // Inverse CDF of the exponential with u in (0, 1], written out so that the
+  // schedule does not depend on the standard library's distributions.
+  for (double t = 0.0;;) {
+    const double u = (static_cast<double>(gen() >> 11) + 1.0) * 0x1.0p-53;
+    t += -std::log(u) / rate;
+    if (t >= horizon_s) break;
+    arrivals.push_back(t);
+  }
+  return arrivals;
+}
+
+absl::StatusOr<LoadResult> RunLoad(
+    SamplerClient& client, std::shared_ptr<const v1::SampleRequest> request,
+    const LoadOptions& options) {
+  if (request == nullptr || RequestRows(*request) < 1) {
+    return absl::InvalidArgumentError("request: needs hidden states [B, D]");
+  }
+  if (options.duration <= absl::ZeroDuration() ||
+      options.warmup < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("duration must be > 0 and warmup >= 0");
+  }
+  if (options.mode == LoadOptions::Mode::kClosed) {
+    if (options.concurrency < 1) {
+      return absl::InvalidArgumentError("concurrency: must be >= 1");
+    }
+    return RunClosed(client, *request, options);
+  }
+  if (!(options.rate > 0.0) || options.max_outstanding < 1) {
+    return absl::InvalidArgumentError(
+        "rate must be > 0 and max_outstanding >= 1");
+  }
+  return RunOpen(client, std::move(request), options);
+}
+
+}  // namespace flashsampler
