@@ -17,6 +17,19 @@ namespace flashsampler {
 
 enum class KernelDType { kBf16, kFp16 };
 
+// Which tensor-core path runs stage 1. Both accumulate k-steps 0..D in order
+// into one fp32 accumulator per logit, but they are different instructions
+// (HMMA vs HGMMA), so one device must always use the same one: kAuto picks
+// wgmma on sm_90 (when the binary carries sm_90a code) and mma.sync
+// elsewhere, for every batch size. Forcing a path is for tests and the
+// benchmark.
+enum class FusedKernel { kAuto, kMmaSync, kWgmma };
+
+// L2 eviction priority of the wgmma path's W loads (a tuning knob; tokens
+// are the same for every choice). kAuto: normal (measured faster than
+// evict-first, docs/perf/fused_kernel_attempts.md).
+enum class L2Hint { kAuto, kEvictFirst, kEvictNormal };
+
 // Arguments of one stage-1 launch over one vocabulary shard.
 struct FusedSampleParams {
   const void* weights = nullptr;  // [vocab_rows, hidden] row-major, dtype
@@ -35,9 +48,33 @@ struct FusedSampleParams {
   // Stage-1 output: [num_tiles][num_samples][batch] candidates, where
   // num_tiles = FusedSampleNumTiles(vocab_rows). May point into a peer
   // GPU's memory (tensor parallel: candidates stream to the reducing rank).
+  // May be null when token_ids is set.
   Candidate* candidates = nullptr;
+  // Optional in-kernel stage 2 over this shard (one GPU: no second launch):
+  // token ids [batch][num_samples] (and optionally the winning scores),
+  // exactly what LaunchReduceCandidates would give. Needs the workspace
+  // (FusedSampleWorkspaceSize bytes, zero-filled once after allocation;
+  // each launch leaves it zeroed) and num_samples <= 64. Launches sharing
+  // a workspace must be stream-ordered.
+  int32_t* token_ids = nullptr;
+  float* winning_scores = nullptr;
   // Optional [batch, vocab_rows] fp32 logits (tests of the IO model only).
   float* logits_out = nullptr;
+  // Tensor-core path (see FusedKernel) and batch columns per work item (0 =
+  // the heuristic; else 16, 64 or 128; larger batches take several). Results
+  // are bit-identical for every choice of block_n on one path; tests and the
+  // benchmark sweep them.
+  FusedKernel kernel = FusedKernel::kAuto;
+  int block_n = 0;
+  // Tuning knobs of the wgmma path's W loads, swept by the benchmark: the
+  // L2 hint, and the tensor map's L2 promotion in bytes (0 = the default
+  // 256, or 128, or -1 for none).
+  L2Hint w_l2_hint = L2Hint::kAuto;
+  int w_l2_promotion = 0;
+  // Elements of D per wgmma pipeline stage: 0 = the default, 64 or 128
+  // (two swizzle-wide k-blocks: 256 contiguous bytes of each W row per
+  // stage; D not a multiple of 128 uses 64). Same k order, same bits.
+  int w_stage_k = 0;
 };
 
 constexpr int kMaxFusedBatch = 256;
@@ -50,22 +87,35 @@ int FusedSampleTileRows();
 // Number of stage-1 tiles (candidates per row and sample) for a shard.
 int64_t FusedSampleNumTiles(int64_t vocab_rows);
 
-// Bytes of device scratch a launch needs beyond `candidates` (may be 0).
+// Bytes of device scratch a launch with token_ids set needs (none without):
+// a counter and one 64-bit key per (sample, row), up to 64 samples.
 size_t FusedSampleWorkspaceSize(int batch, int64_t vocab_rows, int hidden_size);
 
+// The path kAuto resolves to on the current device (kMmaSync or kWgmma).
+FusedKernel FusedSampleResolveKernel(FusedKernel requested);
+
 // Stage 1. Returns cudaErrorInvalidValue for unsupported shapes (hidden not a
-// multiple of 64, batch outside 1..kMaxFusedBatch, null pointers).
+// multiple of 64, batch outside 1..kMaxFusedBatch, null or misaligned
+// pointers: weights and hidden must be 16-byte aligned; neither candidates
+// nor token_ids; token_ids without a large enough workspace), and
+// cudaErrorNotSupported for a forced path or block_n this device or build
+// lacks.
 cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                               size_t workspace_bytes, cudaStream_t stream);
+
+// Counts, into the device word `mismatches` (zeroed here), the uniforms --
+// all 2^23 of them -- for which the kernels' branch-free Gumbel noise
+// differs in any bit from GumbelFromUniform (kernels/philox.h). Anything
+// but 0 means this device must not serve (the CUDA engine checks at start).
+cudaError_t LaunchNoiseSelfCheck(unsigned int* mismatches, cudaStream_t stream);
 
 // Stage 2: reduces [num_candidate_tiles][num_samples][batch] candidates to
 // token ids [batch][num_samples] (row-major), best score, lowest id on ties.
 // Optionally writes the winning scores too (winning_scores may be null).
 cudaError_t LaunchReduceCandidates(const Candidate* candidates,
-                                   int64_t num_candidate_tiles,
-                                   int num_samples, int batch,
-                                   int32_t* token_ids, float* winning_scores,
-                                   cudaStream_t stream);
+                                   int64_t num_candidate_tiles, int num_samples,
+                                   int batch, int32_t* token_ids,
+                                   float* winning_scores, cudaStream_t stream);
 
 }  // namespace flashsampler
 

@@ -1,0 +1,296 @@
+// Stage-1 dispatcher: validates a launch, picks the tensor-core path for the
+// device (one path per device, for every batch size: DESIGN.md rule 2) and
+// the batch columns per CTA, encodes the TMA descriptors of the wgmma path,
+// and calls the typed launcher.
+#include "kernels/fused_sampler.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+
+#include "kernels/fused_sampler_internal.h"
+
+namespace flashsampler {
+namespace {
+
+using fused::DTypeTag;
+using fused::FusedArgs;
+
+constexpr int kMaxDevices = 64;
+// Elements of D per wgmma ring stage (FusedSampleParams::w_stage_k).
+constexpr int kDefaultWgmmaStageK = 64;
+// TMA L2 eviction hints (CUTLASS's CacheHintSm90 encodings).
+constexpr uint64_t kL2EvictNormal = 0x1000000000000000ull;
+constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
+// Per device: 0 = not resolved yet, else 1 + static_cast<int>(FusedKernel).
+std::atomic<int> resolved_path[kMaxDevices];
+
+FusedKernel ResolveAuto() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 ||
+      device >= kMaxDevices) {
+    return FusedKernel::kMmaSync;
+  }
+  const int cached = resolved_path[device].load(std::memory_order_relaxed);
+  if (cached != 0) return static_cast<FusedKernel>(cached - 1);
+  FusedKernel path = FusedKernel::kMmaSync;
+  int major = 0;
+  int binary_version = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                             device) == cudaSuccess &&
+      major == 9 &&
+      fused::WgmmaKernelBinaryVersion(&binary_version) == cudaSuccess &&
+      binary_version == 90) {
+    path = FusedKernel::kWgmma;
+  }
+  resolved_path[device].store(1 + static_cast<int>(path),
+                              std::memory_order_relaxed);
+  return path;
+}
+
+// The driver's tensor-map encoder, reached through the runtime so that the
+// library links only libcudart.
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encoder = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult query;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function,
+                                         12000, cudaEnableDefault,
+                                         &query) == cudaSuccess &&
+        query == cudaDriverEntryPointSuccess) {
+      encoder = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+    }
+  });
+  return encoder;
+}
+
+// A [rows, cols] row-major bf16/fp16 matrix read in boxes of 64 columns
+// (128 bytes, the swizzle width) x box_rows rows; out-of-bounds reads fill
+// zeros.
+cudaError_t EncodeTensorMap(
+    CUtensorMap* map, const void* base, KernelDType dtype, uint64_t cols,
+    uint64_t rows, uint32_t box_rows,
+    CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cols * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(fused::kBlockK), box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result =
+      encode(map,
+             dtype == KernelDType::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                         : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             2, const_cast<void*>(base), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Batch columns per work item. Small batches are memory-bound: the narrowest
+// tile that covers the batch reads W once and keeps the epilogue short.
+// Large batches need wide tiles to reuse each W tile across many rows; on
+// the mma.sync path the 128-wide tile spills and runs slower than two
+// 64-wide ones (device run 1: 1456 vs 752 us at B = 128).
+int DefaultBlockN(FusedKernel path, int batch) {
+  if (batch <= 16) return 16;
+  if (batch <= 64 || path == FusedKernel::kMmaSync) return 64;
+  return 128;
+}
+
+// Multiprocessors of the current device (the persistent grid), cached.
+int MultiprocessorCount() {
+  static std::atomic<int> cache[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 ||
+      device >= kMaxDevices) {
+    return 132;
+  }
+  int count = cache[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount,
+                               device) != cudaSuccess ||
+        count <= 0) {
+      count = 132;
+    }
+    cache[device].store(count, std::memory_order_relaxed);
+  }
+  return count;
+}
+
+template <DTypeTag kDType>
+cudaError_t LaunchMmaFor(int block_n, const FusedArgs& args,
+                         cudaStream_t stream) {
+  switch (block_n) {
+    case 16:
+      return fused::LaunchMma<kDType, 16>(args, stream);
+    case 64:
+      return fused::LaunchMma<kDType, 64>(args, stream);
+    case 128:
+      return fused::LaunchMma<kDType, 128>(args, stream);
+    default:
+      return cudaErrorNotSupported;
+  }
+}
+
+template <DTypeTag kDType, int kHalves>
+cudaError_t LaunchWgmmaFor(int block_n, const FusedArgs& args,
+                           const CUtensorMap& map_w, const CUtensorMap& map_h,
+                           cudaStream_t stream) {
+  const int grid = MultiprocessorCount();
+  switch (block_n) {
+    case 16:
+      return fused::LaunchWgmma<kDType, 16, kHalves>(args, &map_w, &map_h, grid,
+                                                     stream);
+    case 64:
+      return fused::LaunchWgmma<kDType, 64, kHalves>(args, &map_w, &map_h, grid,
+                                                     stream);
+    case 128:
+      return fused::LaunchWgmma<kDType, 128, kHalves>(args, &map_w, &map_h,
+                                                      grid, stream);
+    default:
+      return cudaErrorNotSupported;
+  }
+}
+
+template <DTypeTag kDType>
+cudaError_t LaunchWgmmaFor(int block_n, int stage_k, const FusedArgs& args,
+                           const CUtensorMap& map_w, const CUtensorMap& map_h,
+                           cudaStream_t stream) {
+  return stage_k == 128
+             ? LaunchWgmmaFor<kDType, 2>(block_n, args, map_w, map_h, stream)
+             : LaunchWgmmaFor<kDType, 1>(block_n, args, map_w, map_h, stream);
+}
+
+bool Aligned16(const void* pointer) {
+  return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0;
+}
+
+}  // namespace
+
+int FusedSampleTileRows() { return fused::kTileRows; }
+
+int64_t FusedSampleNumTiles(int64_t vocab_rows) {
+  return (vocab_rows + fused::kTileRows - 1) / fused::kTileRows;
+}
+
+size_t FusedSampleWorkspaceSize(int batch, int64_t /*vocab_rows*/,
+                                int /*hidden_size*/) {
+  return fused::kWorkspaceCounterBytes + sizeof(unsigned long long) *
+                                             static_cast<size_t>(batch) *
+                                             fused::kMaxInKernelReduceSamples;
+}
+
+FusedKernel FusedSampleResolveKernel(FusedKernel requested) {
+  return requested == FusedKernel::kAuto ? ResolveAuto() : requested;
+}
+
+cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
+                              size_t workspace_bytes, cudaStream_t stream) {
+  const bool reduce_in_kernel = params.token_ids != nullptr;
+  if (reduce_in_kernel &&
+      (workspace == nullptr ||
+       workspace_bytes < FusedSampleWorkspaceSize(params.batch,
+                                                  params.vocab_rows,
+                                                  params.hidden_size) ||
+       params.num_samples > fused::kMaxInKernelReduceSamples ||
+       (reinterpret_cast<uintptr_t>(workspace) & 255u) != 0)) {
+    return cudaErrorInvalidValue;
+  }
+  if (params.weights == nullptr || params.hidden == nullptr ||
+      params.inv_temperature == nullptr || params.seeds == nullptr ||
+      params.steps == nullptr ||
+      (params.candidates == nullptr && !reduce_in_kernel) ||
+      !Aligned16(params.weights) || !Aligned16(params.hidden) ||
+      params.hidden_size <= 0 || params.hidden_size % fused::kBlockK != 0 ||
+      params.batch < 1 || params.batch > kMaxFusedBatch ||
+      params.num_samples < 1 || params.vocab_rows < 1 ||
+      params.vocab_offset < 0 ||
+      params.vocab_offset + params.vocab_rows > int64_t{INT32_MAX} ||
+      FusedSampleNumTiles(params.vocab_rows) > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  const FusedKernel path = FusedSampleResolveKernel(params.kernel);
+  const int block_n =
+      params.block_n != 0 ? params.block_n : DefaultBlockN(path, params.batch);
+  FusedArgs args;
+  args.weights = params.weights;
+  args.hidden = params.hidden;
+  args.vocab_rows = params.vocab_rows;
+  args.vocab_offset = params.vocab_offset;
+  args.hidden_size = params.hidden_size;
+  args.batch = params.batch;
+  args.num_samples = params.num_samples;
+  args.inv_temperature = params.inv_temperature;
+  args.seeds = params.seeds;
+  args.steps = params.steps;
+  args.candidates = params.candidates;
+  args.logits_out = params.logits_out;
+  args.counter =
+      reduce_in_kernel ? static_cast<unsigned int*>(workspace) : nullptr;
+  args.keys =
+      reduce_in_kernel
+          ? reinterpret_cast<unsigned long long*>(
+                static_cast<char*>(workspace) + fused::kWorkspaceCounterBytes)
+          : nullptr;
+  args.token_ids = params.token_ids;
+  args.winning_scores = params.winning_scores;
+  // W streams through L2 once, unless a second batch tile re-reads it.
+  switch (params.w_l2_hint) {
+    case L2Hint::kEvictFirst:
+      args.w_cache_hint = kL2EvictFirst;
+      break;
+    case L2Hint::kEvictNormal:
+      args.w_cache_hint = kL2EvictNormal;
+      break;
+    default:
+      // Device run 3 swept the hint at B <= 16 in one run: evict-first made
+      // W streaming ~4% slower than normal (qwen B = 1: 318 vs 306 us), so
+      // W is not hinted (see docs/perf/fused_kernel_attempts.md).
+      args.w_cache_hint = kL2EvictNormal;
+  }
+  if (path == FusedKernel::kMmaSync) {
+    return params.dtype == KernelDType::kBf16
+               ? LaunchMmaFor<DTypeTag::kBf16>(block_n, args, stream)
+               : LaunchMmaFor<DTypeTag::kFp16>(block_n, args, stream);
+  }
+  if (ResolveAuto() != FusedKernel::kWgmma) return cudaErrorNotSupported;
+  if (block_n != 16 && block_n != 64 && block_n != 128) {
+    return cudaErrorNotSupported;
+  }
+  CUtensorMap map_w;
+  CUtensorMap map_h;
+  CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  if (params.w_l2_promotion == 128) {
+    promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  } else if (params.w_l2_promotion < 0) {
+    promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE;
+  }
+  cudaError_t error = EncodeTensorMap(&map_w, params.weights, params.dtype,
+                                      static_cast<uint64_t>(params.hidden_size),
+                                      static_cast<uint64_t>(params.vocab_rows),
+                                      fused::kTileRows, promotion);
+  if (error != cudaSuccess) return error;
+  error = EncodeTensorMap(&map_h, params.hidden, params.dtype,
+                          static_cast<uint64_t>(params.hidden_size),
+                          static_cast<uint64_t>(params.batch),
+                          static_cast<uint32_t>(block_n));
+  if (error != cudaSuccess) return error;
+  int stage_k = params.w_stage_k != 0 ? params.w_stage_k : kDefaultWgmmaStageK;
+  if (stage_k != 64 && stage_k != 128) return cudaErrorNotSupported;
+  // 128-deep stages need whole stages; the same k order either way.
+  if (params.hidden_size % 128 != 0) stage_k = 64;
+  return params.dtype == KernelDType::kBf16
+             ? LaunchWgmmaFor<DTypeTag::kBf16>(block_n, stage_k, args, map_w,
+                                               map_h, stream)
+             : LaunchWgmmaFor<DTypeTag::kFp16>(block_n, stage_k, args, map_w,
+                                               map_h, stream);
+}
+
+}  // namespace flashsampler

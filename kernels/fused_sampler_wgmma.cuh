@@ -1,0 +1,305 @@
+// Stage 1 on Hopper (sm_90a): a persistent, warp-specialised "ping-pong"
+// kernel. TMA loads W and hidden tiles into 128-byte-swizzled stages of a
+// ring guarded by full/empty mbarriers; wgmma m64nNk16 multiplies with W
+// rows as M ("swap AB": the vocabulary is the large dimension, the batch is
+// N); the shared epilogue adds the noise and reduces.
+//
+// One CTA per SM, 384 threads: warpgroup 0 is the producer (one thread
+// issues the TMA copies; setmaxnreg gives its registers away), warpgroups
+// 1 and 2 are consumers. Each consumer owns whole items (a 128-row vocab
+// tile x kBlockN batch columns; two m64 wgmmas per k-step, kBlockN fp32
+// accumulators per thread) and the two alternate: consumer 1 starts item
+// j+1 once consumer 0 has received the last stage of item j, so one
+// consumer's epilogue (about 100 instructions of noise per logit) runs
+// while the other's wgmmas run, and the producer streams W across item
+// boundaries without draining the ring.
+//
+// The k-steps of D are issued in order into one fp32 accumulator per logit
+// whatever kBlockN is, so a row's logits do not depend on the batch
+// (DESIGN.md rule 2). Rows past the shard or the batch are zero-filled by
+// TMA's out-of-bounds handling and ignored by the epilogue.
+#ifndef FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_
+#define FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/device_ptx.cuh"
+#include "kernels/fused_epilogue.cuh"
+#include "kernels/fused_sampler_internal.h"
+#include "kernels/wgmma_ops.cuh"
+
+namespace flashsampler {
+namespace fused {
+
+// kHalves: 64-wide k-blocks per ring stage. 2 makes each stage read 256
+// contiguous bytes of every W row instead of 128 (fewer DRAM row openings
+// per byte, half the barrier round trips), at half the stages.
+template <int kBlockN, int kStages, int kHalves>
+struct WgmmaKernelConfig {
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerThreads = 128;  // per consumer warpgroup
+  static constexpr int kHalfBytesA = kTileRows * kBlockK * 2;  // 16 KB
+  static constexpr int kHalfBytesB = kBlockN * kBlockK * 2;
+  static constexpr int kStageBytesA = kHalfBytesA * kHalves;
+  static constexpr int kStageBytesB = kHalfBytesB * kHalves;
+  static_assert(kHalfBytesB % 1024 == 0, "swizzle atoms are 1024 bytes");
+  using Epilogue = EpilogueShared<kBlockN, 4>;
+  static constexpr size_t kEpilogueBytes = (sizeof(Epilogue) + 15) / 16 * 16;
+  static constexpr size_t kPipelineBytes =
+      static_cast<size_t>(kStages) * (kStageBytesA + kStageBytesB);
+  static constexpr size_t kBarrierOffset = kPipelineBytes + 2 * kEpilogueBytes;
+  // +1024: the dynamic shared memory base is only guaranteed 16-byte
+  // aligned; the kernel rounds it up to the 1024 bytes swizzle atoms need.
+  static constexpr size_t kSmemBytes =
+      kBarrierOffset + 2 * kStages * sizeof(uint64_t) + 16 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
+};
+
+// Keeps the compiler from moving accumulator reads or writes across the
+// asynchronous wgmma instructions (CUTLASS's warpgroup_fence_operand).
+template <int kCount>
+__device__ __forceinline__ void FenceAccumulators(float (&acc)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) {
+    asm volatile("" : "+f"(acc[i])::"memory");
+  }
+}
+
+__device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// Named barriers: 1 and 2 = consumer 0 / 1 epilogue (128 threads); 3 and 4 =
+// the hand-off into consumer 0 / 1's next item (256: one side arrives, the
+// other waits).
+constexpr int kEpilogueBarrier = 1;
+constexpr int kHandoffBarrier = 3;
+
+template <typename T, int kBlockN, int kStages, int kHalves>
+__global__ void __launch_bounds__(384, 1)
+    FusedWgmmaKernel(const __grid_constant__ CUtensorMap tensor_map_w,
+                     const __grid_constant__ CUtensorMap tensor_map_h,
+                     FusedArgs args) {
+#if FS_SM90A_ENABLED
+  using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
+  constexpr int kHalf = kBlockN / 2;  // accumulators per m64 wgmma
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem_a = smem;
+  uint8_t* smem_b = smem + kStages * Config::kStageBytesA;
+  uint64_t* full_bar =
+      reinterpret_cast<uint64_t*>(smem + Config::kBarrierOffset);
+  uint64_t* empty_bar = full_bar + kStages;
+  int* last_flags = reinterpret_cast<int*>(empty_bar + kStages);
+
+  const int warpgroup = threadIdx.x / 128;
+  const int num_kb = args.hidden_size / kBlockK;
+  // Stages per item; the dispatcher only picks kHalves = 2 when D is a
+  // multiple of 128, so every stage is full (no data-dependent branch
+  // around the wgmmas: ptxas serialises wgmmas under one, warning C7520).
+  const int num_steps = num_kb / kHalves;
+  const int64_t vocab_tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
+  const int batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
+  const int64_t num_items = vocab_tiles * batch_tiles;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::MbarrierInit(ptx::SmemAddr(&full_bar[s]), 1);
+      ptx::MbarrierInit(ptx::SmemAddr(&empty_bar[s]), 4);  // one warpgroup
+    }
+    ptx::FenceBarrierInit();
+  }
+  if (threadIdx.x == 32) {
+    ptx::PrefetchTensorMap(&tensor_map_w);
+    ptx::PrefetchTensorMap(&tensor_map_h);
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    // Producer: item after item, k-block after k-block, into ring slot
+    // seq % kStages. A slot is refilled once the consumer of its previous
+    // contents released it; the first use waits on the "previous phase"
+    // parity, which passes at once.
+    if (threadIdx.x == 0) {
+      constexpr uint32_t kHalfTx = Config::kHalfBytesA + Config::kHalfBytesB;
+      uint32_t seq = 0;
+      for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+        const int32_t row0 =
+            static_cast<int32_t>((item / batch_tiles) * kTileRows);
+        const int32_t col0 = static_cast<int32_t>(item % batch_tiles) * kBlockN;
+        for (int step = 0; step < num_steps; ++step, ++seq) {
+          const uint32_t stage = seq % kStages;
+          ptx::MbarrierWait(ptx::SmemAddr(&empty_bar[stage]),
+                            ((seq / kStages) & 1) ^ 1);
+          const uint32_t full = ptx::SmemAddr(&full_bar[stage]);
+          ptx::MbarrierArriveExpectTx(full, kHalfTx * kHalves);
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) {
+            const int k0 = (step * kHalves + h) * kBlockK;
+            ptx::TmaLoad2d(ptx::SmemAddr(smem_a + stage * Config::kStageBytesA +
+                                         h * Config::kHalfBytesA),
+                           &tensor_map_w, k0, row0, full, args.w_cache_hint);
+            ptx::TmaLoad2d(ptx::SmemAddr(smem_b + stage * Config::kStageBytesB +
+                                         h * Config::kHalfBytesB),
+                           &tensor_map_h, k0, col0, full, ptx::kL2EvictLast);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int consumer = warpgroup - 1;
+  const int thread = threadIdx.x % 128;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  auto& epilogue = *reinterpret_cast<typename Config::Epilogue*>(
+      smem + Config::kPipelineBytes + consumer * Config::kEpilogueBytes);
+  float* staging = epilogue.staging[warp];
+  const int epilogue_barrier = kEpilogueBarrier + consumer;
+
+  // This consumer's items are the CTA's items j = consumer, consumer + 2,
+  // ...; item j's stages are ring sequence numbers j*num_steps .. +
+  // num_steps - 1.
+  for (int j = consumer;; j += 2) {
+    const int64_t item = blockIdx.x + static_cast<int64_t>(j) * gridDim.x;
+    if (item >= num_items) break;
+    const int64_t tile = item / batch_tiles;
+    const int batch_base = static_cast<int>(item % batch_tiles) * kBlockN;
+    const bool next_item_exists = item + gridDim.x < num_items;
+    // Safe: this thread's reads of the previous item's parameters ended
+    // before its last epilogue barrier.
+    LoadColumnParams(args, batch_base, thread, 128, epilogue);
+
+    float acc0[kHalf];
+    float acc1[kHalf];
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) acc0[i] = acc1[i] = 0.0f;
+    FenceAccumulators(acc0);
+    FenceAccumulators(acc1);
+    // Wait until the other consumer has received every stage of item j-1:
+    // then every earlier ring phase is complete and the parity waits below
+    // cannot pass on a stale phase.
+    if (j >= 1) ptx::NamedBarrier(kHandoffBarrier + consumer, 256);
+    const uint32_t seq0 = static_cast<uint32_t>(j) * num_steps;
+    for (int step = 0; step < num_steps; ++step) {
+      const uint32_t seq = seq0 + step;
+      const uint32_t stage = seq % kStages;
+      ptx::MbarrierWait(ptx::SmemAddr(&full_bar[stage]), (seq / kStages) & 1);
+      if (step == num_steps - 1 && next_item_exists) {
+        NamedBarrierArrive(kHandoffBarrier + (1 - consumer), 256);
+      }
+      ptx::WgmmaFence();
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        {
+          const uint32_t a_base = ptx::SmemAddr(
+              smem_a + stage * Config::kStageBytesA + h * Config::kHalfBytesA);
+          const uint64_t desc_a0 = ptx::WgmmaDescriptor(a_base);
+          const uint64_t desc_a1 = ptx::WgmmaDescriptor(a_base + 64 * 128);
+          const uint64_t desc_b = ptx::WgmmaDescriptor(ptx::SmemAddr(
+              smem_b + stage * Config::kStageBytesB + h * Config::kHalfBytesB));
+#pragma unroll
+          for (int kk = 0; kk < kBlockK / 16; ++kk) {
+            // 16 elements of K = 32 bytes = 2 units of the descriptor
+            // address. k-steps stay in order: half 0, then half 1.
+            ptx::Wgmma<T, kBlockN>::Run(acc0, desc_a0 + 2 * kk,
+                                        desc_b + 2 * kk);
+            ptx::Wgmma<T, kBlockN>::Run(acc1, desc_a1 + 2 * kk,
+                                        desc_b + 2 * kk);
+          }
+        }
+      }
+      ptx::WgmmaCommit();
+      // Keep one k-block in flight; the one before it is finished, so its
+      // stage goes back to the producer.
+      ptx::WgmmaWait<1>();
+      FenceAccumulators(acc0);
+      FenceAccumulators(acc1);
+      if (step > 0 && lane == 0) {
+        ptx::MbarrierArrive(ptx::SmemAddr(&empty_bar[(seq - 1) % kStages]));
+      }
+    }
+    ptx::WgmmaWait<0>();
+    FenceAccumulators(acc0);
+    FenceAccumulators(acc1);
+    if (lane == 0) {
+      ptx::MbarrierArrive(
+          ptx::SmemAddr(&empty_bar[(seq0 + num_steps - 1) % kStages]));
+    }
+
+    const int64_t row0 = tile * kTileRows + warp * 16;
+    for (int sample = 0; sample < args.num_samples; ++sample) {
+      for (int i = thread; i < kBlockN; i += 128) {
+        epilogue.best[i] = IdentityKey();
+      }
+      ptx::NamedBarrier(epilogue_barrier, 128);
+      const int64_t rows[2] = {row0, row0 + 64};
+#pragma unroll 1
+      for (int nj = 0; nj < kBlockN / 8; ++nj) {
+        const float frags[2][4] = {{acc0[0], acc0[1], acc0[2], acc0[3]},
+                                   {acc1[0], acc1[1], acc1[2], acc1[3]}};
+        ScoreFragments(frags, rows, nj * 8, sample, sample == 0, batch_base,
+                       args, staging, epilogue);
+        RotateBlocks(acc0);
+        RotateBlocks(acc1);
+      }
+      ptx::NamedBarrier(epilogue_barrier, 128);
+      StoreCandidates(args, tile, sample, batch_base, thread, 128, epilogue);
+    }
+  }
+  FinishInKernelReduce(
+      args, thread, 128, 2 * gridDim.x, &last_flags[consumer],
+      [epilogue_barrier] { ptx::NamedBarrier(epilogue_barrier, 128); });
+#endif  // FS_SM90A_ENABLED
+}
+
+template <typename T, int kBlockN, int kStages, int kHalves>
+cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
+                              const void* tensor_map_h, int grid,
+                              cudaStream_t stream) {
+  using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
+  auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves>;
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(Config::kSmemBytes));
+  if (error != cudaSuccess) return error;
+  const int64_t tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
+  const int64_t items = tiles * ((args.batch + kBlockN - 1) / kBlockN);
+  const int ctas = static_cast<int>(items < grid ? items : grid);
+  kernel<<<ctas, Config::kThreads, Config::kSmemBytes, stream>>>(
+      *static_cast<const CUtensorMap*>(tensor_map_w),
+      *static_cast<const CUtensorMap*>(tensor_map_h), args);
+  return cudaGetLastError();
+}
+
+// Ring depth per (kBlockN, kHalves): as many stages as fit next to the two
+// consumers' epilogue buffers in 227 KB, e.g. 10 x (16 + 2) KB for
+// kBlockN = 16 keeps 160 KB of W in flight per SM (HBM needs ~33 GB/s x
+// ~2 us per SM).
+template <int kBlockN, int kHalves>
+struct WgmmaTileConfig {
+  static constexpr int kStages =
+      (192 * 1024) / ((kTileRows + kBlockN) * kBlockK * 2 * kHalves);
+};
+
+template <DTypeTag kDType, int kBlockN, int kHalves>
+cudaError_t LaunchWgmma(const FusedArgs& args, const void* tensor_map_w,
+                        const void* tensor_map_h, int grid,
+                        cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::Type;
+  return LaunchWgmmaKernel<T, kBlockN,
+                           WgmmaTileConfig<kBlockN, kHalves>::kStages, kHalves>(
+      args, tensor_map_w, tensor_map_h, grid, stream);
+}
+
+}  // namespace fused
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_
