@@ -30,7 +30,7 @@ optional=()
 if [[ ${FS_BUNDLE_DAEMON:-1} == 1 ]]; then
   optional+=(flashsamplerd)
 fi
-optional+=(fs_tp_bench)
+optional+=(fs_tp_bench tp_gpu_test)
 for target in "${optional[@]}"; do
   if cmake --build "$build" --target "$target" -j2 >"$build/$target.log" 2>&1; then
     binaries+=("$(find "$build" -type f -name "$target" -perm -u+x | head -1)")
