@@ -282,7 +282,12 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                           static_cast<uint64_t>(params.batch),
                           static_cast<uint32_t>(block_n));
   if (error != cudaSuccess) return error;
-  int stage_k = params.w_stage_k != 0 ? params.w_stage_k : kDefaultWgmmaStageK;
+  // 128-deep stages for the 128-wide tiles: faster at B = 256 in the last
+  // two device runs (qwen 754 vs 763 us, 785 vs 802; llama 1105 vs 1135,
+  // 1138 vs 1206), within noise at B = 128; same k order (batch-invariant).
+  int stage_k = params.w_stage_k != 0 ? params.w_stage_k
+                : block_n == 128      ? 128
+                                      : kDefaultWgmmaStageK;
   if (stage_k != 64 && stage_k != 128) return cudaErrorNotSupported;
   // 128-deep stages need whole stages; the same k order either way.
   if (params.hidden_size % 128 != 0) stage_k = 64;

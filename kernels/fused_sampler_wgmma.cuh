@@ -10,7 +10,7 @@
 // tile x kBlockN batch columns; two m64 wgmmas per k-step, kBlockN fp32
 // accumulators per thread) and the two alternate: consumer 1 starts item
 // j+1 once consumer 0 has received the last stage of item j, so one
-// consumer's epilogue (about 100 instructions of noise per logit) runs
+// consumer's epilogue (the noise, pruned exactly: fused_epilogue.cuh) runs
 // while the other's wgmmas run, and the producer streams W across item
 // boundaries without draining the ring.
 //
@@ -239,16 +239,16 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = thread; i < kBlockN; i += 128) {
         epilogue.best[i] = IdentityKey();
       }
+      LoadColumnFloors(args, sample, batch_base, thread, 128, epilogue);
       ptx::NamedBarrier(epilogue_barrier, 128);
       const int64_t rows[2] = {row0, row0 + 64};
 #pragma unroll 1
       for (int nj = 0; nj < kBlockN / 8; ++nj) {
-        const float frags[2][4] = {{acc0[0], acc0[1], acc0[2], acc0[3]},
-                                   {acc1[0], acc1[1], acc1[2], acc1[3]}};
+        float frags[2][4];
+        ReadBlock(acc0, nj, frags[0]);
+        ReadBlock(acc1, nj, frags[1]);
         ScoreFragments(frags, rows, nj * 8, sample, sample == 0, batch_base,
-                       args, staging, epilogue);
-        RotateBlocks(acc0);
-        RotateBlocks(acc1);
+                       args, staging, epilogue, /*use_floor=*/true);
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
       StoreCandidates(args, tile, sample, batch_base, thread, 128, epilogue);

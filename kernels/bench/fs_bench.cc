@@ -285,9 +285,10 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     }
     if (auto_path == FusedKernel::kWgmma) {  // only where wgmma runs
       for (int block_n : {16, 64, 128}) {
-        variants.push_back(
-            {std::string("fused_wgmma_n") + std::to_string(block_n),
-             FusedKernel::kWgmma, block_n});
+        Variant narrow{std::string("fused_wgmma_n") + std::to_string(block_n),
+                       FusedKernel::kWgmma, block_n};
+        narrow.stage_k = 64;  // explicit: the default depends on block_n
+        variants.push_back(narrow);
         Variant wide{
             std::string("fused_wgmma_n") + std::to_string(block_n) + "_k128",
             FusedKernel::kWgmma, block_n};
