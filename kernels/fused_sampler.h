@@ -109,6 +109,30 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
 // but 0 means this device must not serve (the CUDA engine checks at start).
 cudaError_t LaunchNoiseSelfCheck(unsigned int* mismatches, cudaStream_t stream);
 
+// The pruning brackets of the stage-1 epilogue (fused_epilogue.cuh): bounds
+// on a token's score from the Philox word alone (WordBounds) and from the
+// fast logarithm (PruneBounds). Each upper bound is what a token is compared
+// with before it is skipped (against the best lower bound, the best exact
+// score and the launch's floor), each WordBounds lower bound what it is
+// skipped against; pruning is exact only if every bound holds.
+enum NoiseBracket {
+  kNoiseBracketWordLower = 0,  // WordBounds lower <= exact score
+  kNoiseBracketWordUpper,      // WordBounds upper >= exact score
+  kNoiseBracketLogLower,       // PruneBounds lower <= exact score
+  kNoiseBracketLogUpper,       // PruneBounds upper >= exact score
+  kNoiseBracketCount,
+};
+
+// Counts, into the device array violations[kNoiseBracketCount] (zeroed
+// here), the cases -- every one of the 2^23 uniforms, both extremes of the
+// Philox word's unused low bits, several (logit, inv_temperature) pairs --
+// where the exact score GumbelScore(logit, inv_t, GumbelFromUniform(u))
+// falls outside a bracket, as the kernels compute it. Anything but all 0
+// means pruning could change tokens: this device must not serve (the CUDA
+// engine checks at start).
+cudaError_t LaunchNoiseBracketCheck(unsigned int* violations,
+                                    cudaStream_t stream);
+
 // Stage 2: reduces [num_candidate_tiles][num_samples][batch] candidates to
 // token ids [batch][num_samples] (row-major), best score, lowest id on ties.
 // Optionally writes the winning scores too (winning_scores may be null).

@@ -234,6 +234,30 @@ absl::Status CudaEngine::Init() {
           "the reference for ",
           host_mismatches, " of 2^23 uniforms; refusing to serve"));
     }
+    // The pruning brackets must contain every exact score (all 2^23
+    // uniforms), or pruning could skip the winner.
+    unsigned int* violations = nullptr;
+    FS_RETURN_IF_ERROR(
+        Check(cudaMalloc(reinterpret_cast<void**>(&violations),
+                         kNoiseBracketCount * sizeof(unsigned int)),
+              "cudaMalloc(bracket check)"));
+    unsigned int host_violations[kNoiseBracketCount] = {};
+    error = LaunchNoiseBracketCheck(violations, nullptr);
+    if (error == cudaSuccess) error = cudaDeviceSynchronize();
+    if (error == cudaSuccess) {
+      error = cudaMemcpy(host_violations, violations, sizeof(host_violations),
+                         cudaMemcpyDeviceToHost);
+    }
+    cudaFree(violations);
+    FS_RETURN_IF_ERROR(Check(error, "LaunchNoiseBracketCheck"));
+    for (int b = 0; b < kNoiseBracketCount; ++b) {
+      if (host_violations[b] != 0) {
+        return absl::InternalError(
+            absl::StrCat("device ", rank.device, ": pruning bracket ", b,
+                         " (NoiseBracket) misses the exact score in ",
+                         host_violations[b], " cases; refusing to serve"));
+      }
+    }
   }
 
   // Weights, once per device.

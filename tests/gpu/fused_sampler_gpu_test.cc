@@ -228,6 +228,24 @@ TEST(FusedSamplerGpuTest, BranchFreeNoiseEqualsTheReferenceForAllUniforms) {
   EXPECT_EQ(host[0], 0u);
 }
 
+// Pruning is exact only if every bracket the epilogue compares against
+// contains the exact score, for every uniform: WordBounds and PruneBounds,
+// lower and upper (the uppers are also what the launch's floor is compared
+// with).
+TEST(FusedSamplerGpuTest, PruningBracketsContainTheExactScoreForAllUniforms) {
+  FS_SKIP_WITHOUT_GPU();
+  DeviceArray<unsigned int> violations(kNoiseBracketCount);
+  ASSERT_TRUE(violations.ok());
+  FS_ASSERT_CUDA(LaunchNoiseBracketCheck(violations.get(), nullptr));
+  std::vector<unsigned int> host;
+  FS_ASSERT_CUDA(violations.Download(&host, kNoiseBracketCount));
+  ASSERT_EQ(host.size(), static_cast<size_t>(kNoiseBracketCount));
+  EXPECT_EQ(host[kNoiseBracketWordLower], 0u) << "WordBounds lower";
+  EXPECT_EQ(host[kNoiseBracketWordUpper], 0u) << "WordBounds upper";
+  EXPECT_EQ(host[kNoiseBracketLogLower], 0u) << "PruneBounds lower";
+  EXPECT_EQ(host[kNoiseBracketLogUpper], 0u) << "PruneBounds upper";
+}
+
 TEST(FusedSamplerGpuTest, SmallIntegerLogitsMatchCpuReferenceBitForBit) {
   FS_SKIP_WITHOUT_GPU();
   // |logit| <= 3 * 2 * 512 < 2^24: every partial sum is exact in fp32, so
