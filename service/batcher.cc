@@ -16,6 +16,18 @@ namespace {
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
+// The status of one request from its rows: OK, or INVALID_ARGUMENT naming
+// the request's first failed row (row indices are the request's own).
+absl::Status RowErrors(const std::vector<RowResult>& rows) {
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (!rows[r].error.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("row ", r, ": ", rows[r].error));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Batcher::Batcher(Engine* engine, const BatcherOptions& options,
@@ -208,7 +220,14 @@ void Batcher::RunBatch(int slot,
     status = absl::InternalError(absl::StrCat(
         "engine returned ", results.size(), " results for ", rows, " rows"));
   }
-  if (status.ok()) metrics_->ObserveBatch(rows, Seconds(end - start));
+  if (status.ok()) {
+    metrics_->ObserveBatch(rows, Seconds(end - start));
+    for (const RowResult& row : results) {
+      if (row.exact_fallback != nullptr) {
+        metrics_->CountExactFallback(row.exact_fallback, 1);
+      }
+    }
+  }
   // UNAVAILABLE from the engine means the device is gone (DESIGN.md): stop
   // sending it work, fail what waits, and flip health, all before this
   // batch's callers hear back, so a caller that sees UNAVAILABLE also sees
@@ -225,7 +244,8 @@ void Batcher::RunBatch(int slot,
       std::vector<RowResult> mine(
           std::make_move_iterator(results.begin() + offset),
           std::make_move_iterator(results.begin() + offset + item->rows));
-      item->Done(absl::OkStatus(), std::move(mine), timing);
+      const absl::Status row_status = RowErrors(mine);  // before the move
+      item->Done(row_status, std::move(mine), timing);
     } else {
       item->Done(status, {}, timing);
     }

@@ -75,8 +75,16 @@ absl::Status CpuEngine::Sample(const BatchView& batch,
     return absl::InvalidArgumentError(absl::StrCat(
         "batch of ", batch.rows, " rows; at most ", info_.max_batch_rows));
   }
-  return sampler_->Sample(slots_[batch.slot].data(), batch.rows, batch.specs,
-                          results);
+  const absl::Status status = sampler_->Sample(
+      slots_[batch.slot].data(), batch.rows, batch.specs, results);
+  // Row-level failures travel in RowResult::error (Engine contract); only a
+  // failure no row owns fails the batch.
+  if (absl::IsInvalidArgument(status)) {
+    for (const RowResult& row : *results) {
+      if (!row.error.empty()) return absl::OkStatus();
+    }
+  }
+  return status;
 }
 
 }  // namespace flashsampler

@@ -300,6 +300,8 @@ struct Row {
   size_t top_n_raw = 0;
 
   Phase phase = Phase::kDone;
+  // The candidate buffer could not certify the cut: exact radix select ran.
+  bool used_radix_select = false;
 
   // Pass 1 (kStats): the row max of x, the allowed count, and the best
   // tokens in the sampling order.
@@ -641,6 +643,7 @@ void EnterFinal(Row& row, int64_t num_chunks) {
 }
 
 void StartSelect(Row& row, Selecting what) {
+  row.used_radix_select = true;
   row.selecting = what;
   row.phase = Phase::kHist;
   row.select = RadixSelect{};
@@ -1187,8 +1190,12 @@ absl::Status CpuSampler::Sample(const float* hidden, int rows,
   int failed = 0;
   int first = -1;
   for (int r = 0; r < rows; ++r) {
+    if (call.row[r]->used_radix_select) {
+      (*results)[r].exact_fallback = "radix_select";
+    }
     if (!call.row[r]->failed()) continue;
     (*results)[r] = RowResult{};
+    (*results)[r].error = call.row[r]->error;
     if (failed++ == 0) first = r;
   }
   if (failed == 0) return absl::OkStatus();

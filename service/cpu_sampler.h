@@ -69,7 +69,9 @@ class CpuSampler {
   // (W, its hidden state, its spec). A row that cannot be sampled (every
   // token masked, a non-finite logit, invalid controls) makes the call return
   // INVALID_ARGUMENT naming the first such row; the other rows' results are
-  // still filled in, the failed rows' token_ids are left empty.
+  // still filled in, each failed row carries its reason in RowResult::error
+  // and empty token_ids. Rows that took the exact radix-select fallback say
+  // so in RowResult::exact_fallback.
   // Thread-safe: concurrent calls share the worker pool.
   absl::Status Sample(const float* hidden, int rows, const RowSpec* specs,
                       std::vector<RowResult>* results);

@@ -55,8 +55,11 @@ class Engine {
   virtual void* slot_input(int slot) = 0;
 
   // Samples every row of `batch`; `results` is resized to batch.rows. Rows of
-  // a batch are independent: a row's result does not depend on the others.
-  // Thread-safe across distinct slots.
+  // a batch are independent: a row's result does not depend on the others,
+  // and a row that cannot be sampled reports RowResult::error while Sample()
+  // returns OK, so one caller's bad row never fails another caller's rows.
+  // A non-OK status means the whole batch failed (UNAVAILABLE: the device is
+  // gone). Thread-safe across distinct slots.
   virtual absl::Status Sample(const BatchView& batch,
                               std::vector<RowResult>* results) = 0;
 };

@@ -76,11 +76,19 @@ struct RowSpec {
 };
 
 struct RowResult {
-  std::vector<int32_t> token_ids;      // n samples
+  std::vector<int32_t> token_ids;       // n samples
   std::vector<float> sampled_logprobs;  // n, when asked for
   float logsumexp = 0.0f;               // when asked for
   std::vector<int32_t> top_token_ids;   // top_n, most likely first
   std::vector<float> top_logprobs;
+  // Non-empty when this row alone could not be sampled (e.g. every token
+  // masked): the request that owns the row fails with INVALID_ARGUMENT and
+  // the other rows of the batch are unaffected.
+  std::string error;
+  // Set when a fast path could not certify exactness and the row took an
+  // exact fallback (DESIGN.md rule 4); names the reason for the metric
+  // flashsampler_exact_fallback_total. Null otherwise.
+  const char* exact_fallback = nullptr;
 };
 
 }  // namespace flashsampler

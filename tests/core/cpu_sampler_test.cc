@@ -447,6 +447,13 @@ TEST(CpuSamplerTest, MatchesWholeRowReferenceOnRandomControls) {
     bool any_masked = false;
     for (int r = 0; r < rows; ++r) any_masked = any_masked || !want[r].ok;
     ASSERT_EQ(status.ok(), !any_masked) << status;
+    // With no candidate buffer the filtered rows can only be certified by the
+    // radix-select fallback, and say so (rule 4: a counter records it).
+    int fallbacks = 0;
+    for (const RowResult& row : out) fallbacks += row.exact_fallback != nullptr;
+    if (buffer == 0) {
+      EXPECT_GT(fallbacks, 0);
+    }
     for (int r = 0; r < rows; ++r) {
       if (!want[r].ok) continue;
       ExpectMatchesReference(
@@ -765,9 +772,34 @@ TEST(CpuSamplerTest, RowWithEveryTokenMaskedIsAnErrorNamingTheRow) {
     EXPECT_THAT(s.message(), HasSubstr("masked"));
     ASSERT_EQ(out.size(), 3u);
     EXPECT_TRUE(out[1].token_ids.empty());
+    EXPECT_THAT(out[1].error, HasSubstr("masked"));
     EXPECT_EQ(out[0].token_ids.size(), 1u);  // the other rows are still sampled
     EXPECT_EQ(out[2].token_ids.size(), 1u);
+    EXPECT_TRUE(out[0].error.empty());
+    EXPECT_TRUE(out[2].error.empty());
   }
+}
+
+// Through the Engine interface a bad row is that row's error, not the batch's:
+// the batch holds other callers' rows (regression: one caller's all-masked row
+// failed every request that shared its batch).
+TEST(CpuEngineTest, MaskedRowFailsAloneThroughTheEngine) {
+  const int64_t vocab = 70, hidden = 8;
+  auto w = RandomWeights(vocab, hidden, 12, 1.0f);
+  auto engine = CpuEngine::CreateFromFloat(w, vocab, hidden, DType::kFp32,
+                                           CpuEngineOptions{});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const std::vector<float> h = RandomHidden(3, hidden, 13);
+  std::memcpy((*engine)->slot_input(0), h.data(), sizeof(float) * h.size());
+  SamplingParams fine, bad;
+  bad.allowed_bitmask.assign(3, 0);
+  std::vector<RowSpec> specs = {{&fine, 1, 0}, {&bad, 2, 0}, {&fine, 3, 0}};
+  std::vector<RowResult> out;
+  ASSERT_TRUE((*engine)->Sample(BatchView{0, 3, specs.data()}, &out).ok());
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_THAT(out[1].error, HasSubstr("masked"));
+  EXPECT_EQ(out[0].token_ids.size(), 1u);
+  EXPECT_EQ(out[2].token_ids.size(), 1u);
 }
 
 TEST(CpuSamplerTest, InvalidControlsAreRejectedByName) {

@@ -255,6 +255,31 @@ TEST(BatcherTest, EngineErrorFailsOnlyThatBatch) {
   EXPECT_EQ(f.fatal_calls, 0);
 }
 
+TEST(BatcherTest, ARowErrorFailsOnlyTheRequestThatOwnsIt) {
+  Fixture f;
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> first, bad, good;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&first, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  // `bad`'s second row (seed 501) fails; `good` rides in the same batch.
+  f.state->FailRowsWithSeed(501);
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&bad, 2, 500)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&good, 3, 600, 7.0f)).ok());
+  f.state->OpenGate();
+  ASSERT_TRUE(bad->done.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(good->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_EQ(bad->status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(bad->status.message(), "row 1:"))
+      << bad->status;
+  ASSERT_TRUE(good->status.ok()) << good->status;
+  EXPECT_EQ(good->timing.batch_rows, 5);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(good->results[r].token_ids,
+                ElementsAre(FakeToken(7.0f + r, 600 + r, 0, 0, kVocab)));
+  }
+}
+
 TEST(BatcherTest, FatalDeviceErrorFailsEverythingWithoutHanging) {
   Fixture f;
   f.batcher.Start();

@@ -48,6 +48,11 @@ void FakeState::FailNext(absl::Status status) {
   fail_next_ = std::move(status);
 }
 
+void FakeState::FailRowsWithSeed(uint64_t seed) {
+  absl::MutexLock lock(&mu_);
+  failing_seed_ = seed;
+}
+
 void FakeState::SetDelay(absl::Duration delay) {
   absl::MutexLock lock(&mu_);
   delay_ = delay;
@@ -110,6 +115,7 @@ FakeEngine::FakeEngine(std::shared_ptr<FakeState> state,
 absl::Status FakeEngine::Sample(const BatchView& batch,
                                 std::vector<RowResult>* results) {
   absl::Duration delay;
+  std::optional<uint64_t> failing_seed;
   {
     absl::MutexLock lock(&state_->mu_);
     ++state_->waiting_;
@@ -118,6 +124,7 @@ absl::Status FakeEngine::Sample(const BatchView& batch,
     --state_->waiting_;
     state_->rows_at_gate_ -= batch.rows;
     delay = state_->delay_;
+    failing_seed = state_->failing_seed_;
     if (!state_->fail_next_.ok()) {
       absl::Status status = std::move(state_->fail_next_);
       state_->fail_next_ = absl::OkStatus();
@@ -136,6 +143,10 @@ absl::Status FakeEngine::Sample(const BatchView& batch,
     const RowSpec& spec = batch.specs[r];
     const SamplingParams& params = *spec.params;
     RowResult& out = (*results)[r];
+    if (failing_seed == spec.seed) {
+      out.error = "every token is masked";
+      continue;
+    }
     const float h0 = input[r * info_.hidden_size];
     for (int j = 0; j < params.n; ++j) {
       out.token_ids.push_back(

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,6 +41,9 @@ class FakeState {
   // The next Sample() call returns `status` without computing.
   void FailNext(absl::Status status);
   void SetDelay(absl::Duration delay);
+  // Rows with this seed fail alone (RowResult::error), as a row whose every
+  // token is masked does on a real backend.
+  void FailRowsWithSeed(uint64_t seed);
   // Forgets launches and computed seeds (e.g. after warm-up).
   void Reset();
 
@@ -58,6 +62,7 @@ class FakeState {
   int launches_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status fail_next_ ABSL_GUARDED_BY(mu_);
   absl::Duration delay_ ABSL_GUARDED_BY(mu_);
+  std::optional<uint64_t> failing_seed_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> seeds_ ABSL_GUARDED_BY(mu_);
   std::vector<int> batch_rows_ ABSL_GUARDED_BY(mu_);
 };
