@@ -19,7 +19,8 @@ namespace flashsampler {
 
 // Correctly rounded single-precision operations that the compiler may not fuse
 // into FMAs. nvcc contracts a*b+c by default; the _rn intrinsics opt out. Host
-// code is built with -ffp-contract=off (see CMakeLists.txt) for the same reason.
+// code is built with -ffp-contract=off (see CMakeLists.txt) for the same
+// reason.
 #if defined(__CUDA_ARCH__)
 #define FS_FADD(a, b) __fadd_rn((a), (b))
 #define FS_FSUB(a, b) __fsub_rn((a), (b))
@@ -64,8 +65,8 @@ FS_HOST_DEVICE Philox4x32 Philox4x32_10(Philox4x32 counter, uint32_t key0,
     uint32_t hi0, lo0, hi1, lo1;
     MulHiLo32(kMul0, counter.v[0], &hi0, &lo0);
     MulHiLo32(kMul1, counter.v[2], &hi1, &lo1);
-    counter = Philox4x32{{hi1 ^ counter.v[1] ^ key0, lo1,
-                          hi0 ^ counter.v[3] ^ key1, lo0}};
+    counter = Philox4x32{
+        {hi1 ^ counter.v[1] ^ key0, lo1, hi0 ^ counter.v[3] ^ key1, lo0}};
     key0 += kWeyl0;
     key1 += kWeyl1;
   }

@@ -56,10 +56,13 @@ uint16_t FloatToHalf(float value) {
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs_bits = bits & 0x7fffffffu;
   if (abs_bits >= 0x7f800000u) {  // inf or NaN
-    return static_cast<uint16_t>(sign | 0x7c00u | (abs_bits > 0x7f800000u ? 0x200u : 0u));
+    return static_cast<uint16_t>(sign | 0x7c00u |
+                                 (abs_bits > 0x7f800000u ? 0x200u : 0u));
   }
-  if (abs_bits >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
-  if (abs_bits < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+  if (abs_bits >= 0x477ff000u)
+    return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
+  if (abs_bits <
+      0x38800000u) {  // below the smallest normal half: subnormal or zero
     const float magnitude = FromBits(abs_bits);
     // Round magnitude / 2^-24 to the nearest even integer (0 .. 1024).
     const float scaled = std::nearbyint(std::ldexp(magnitude, 24));
