@@ -98,8 +98,13 @@ cudaError_t EncodeTensorMap(
 // Large batches need wide tiles to reuse each W tile across many rows; on
 // the mma.sync path the 128-wide tile spills and runs slower than two
 // 64-wide ones (device run 1: 1456 vs 752 us at B = 128).
+// On the wgmma path B = 32 runs as two 16-wide tiles (W then comes from L2
+// the second time): fused_wgmma_n16 beat the 64-wide default at B = 32 in
+// all three H200 runs of 2026-11-22 04:50-05:00 UTC (qwen 0.941-0.959 vs
+// 0.976-1.021 of cuBLAS; llama 0.957-0.968 vs 0.964-1.010).
 int DefaultBlockN(FusedKernel path, int batch) {
   if (batch <= 16) return 16;
+  if (batch <= 32 && path == FusedKernel::kWgmma) return 16;
   if (batch <= 64 || path == FusedKernel::kMmaSync) return 64;
   return 128;
 }
@@ -266,10 +271,17 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   }
   CUtensorMap map_w;
   CUtensorMap map_h;
+  // Default promotion: 128 B at block_n 16 (B <= 16, pure W streaming),
+  // where two H200 runs measured it 2-3% faster than 256 B
+  // (fused_wgmma_n16_normal_p128 in docs/perf/h200x2_2026-11-22*/); 256 B
+  // elsewhere.
+  const int promotion_bytes = params.w_l2_promotion != 0 ? params.w_l2_promotion
+                              : block_n == 16            ? 128
+                                                         : 256;
   CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-  if (params.w_l2_promotion == 128) {
+  if (promotion_bytes == 128) {
     promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-  } else if (params.w_l2_promotion < 0) {
+  } else if (promotion_bytes < 0) {
     promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE;
   }
   cudaError_t error = EncodeTensorMap(&map_w, params.weights, params.dtype,
@@ -284,10 +296,13 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   if (error != cudaSuccess) return error;
   // 128-deep stages for the 128-wide tiles: faster at B = 256 in the last
   // two device runs (qwen 754 vs 763 us, 785 vs 802; llama 1105 vs 1135,
-  // 1138 vs 1206), within noise at B = 128; same k order (batch-invariant).
-  int stage_k = params.w_stage_k != 0 ? params.w_stage_k
-                : block_n == 128      ? 128
-                                      : kDefaultWgmmaStageK;
+  // 1138 vs 1206), within noise at B = 128. And for the 16-wide tiles
+  // (B <= 16): fused_wgmma_n16_k128 was 1-2.6% faster than the 64-deep
+  // default at every B <= 16 of both configs in the 04:55 UTC run
+  // (docs/perf/h200_2026-11-22_promotion/). Same k order (batch-invariant).
+  int stage_k = params.w_stage_k != 0             ? params.w_stage_k
+                : block_n == 128 || block_n == 16 ? 128
+                                                  : kDefaultWgmmaStageK;
   if (stage_k != 64 && stage_k != 128) return cudaErrorNotSupported;
   // 128-deep stages need whole stages; the same k order either way.
   if (params.hidden_size % 128 != 0) stage_k = 64;

@@ -67,8 +67,8 @@ struct FusedSampleParams {
   FusedKernel kernel = FusedKernel::kAuto;
   int block_n = 0;
   // Tuning knobs of the wgmma path's W loads, swept by the benchmark: the
-  // L2 hint, and the tensor map's L2 promotion in bytes (0 = the default
-  // 256, or 128, or -1 for none).
+  // L2 hint, and the tensor map's L2 promotion in bytes (0 = the default:
+  // 128 at block_n 16, else 256; or 256, 128, or -1 for none).
   L2Hint w_l2_hint = L2Hint::kAuto;
   int w_l2_promotion = 0;
   // Elements of D per wgmma pipeline stage: 0 = the default, 64 or 128
