@@ -15,45 +15,13 @@
 #include <vector>
 
 #include "service/cpu_sampler.h"
+#include "tests/common/chi_squared.h"
 
 namespace flashsampler {
 namespace {
 
-// Regularized upper incomplete gamma Q(a, x) = Gamma(a, x) / Gamma(a):
-// power series of P for x < a + 1, Lentz's continued fraction otherwise
-// (Numerical Recipes 6.2). Relative accuracy ~1e-14, plenty for p-values.
-double RegularizedGammaQ(double a, double x) {
-  if (x <= 0.0) return 1.0;
-  const double log_prefix = a * std::log(x) - x - std::lgamma(a);
-  if (x < a + 1.0) {
-    double term = 1.0 / a, sum = term;
-    for (int n = 1; n < 100000; ++n) {
-      term *= x / (a + n);
-      sum += term;
-      if (std::abs(term) < std::abs(sum) * 1e-16) break;
-    }
-    return 1.0 - sum * std::exp(log_prefix);
-  }
-  const double tiny = 1e-300;
-  double b = x + 1.0 - a, c = 1.0 / tiny, d = 1.0 / b, h = d;
-  for (int i = 1; i < 100000; ++i) {
-    const double an = -i * (i - a);
-    b += 2.0;
-    d = an * d + b;
-    if (std::abs(d) < tiny) d = tiny;
-    c = b + an / c;
-    if (std::abs(c) < tiny) c = tiny;
-    d = 1.0 / d;
-    const double delta = d * c;
-    h *= delta;
-    if (std::abs(delta - 1.0) < 1e-16) break;
-  }
-  return std::exp(log_prefix) * h;
-}
-
-double ChiSquaredPValue(double statistic, int dof) {
-  return RegularizedGammaQ(0.5 * dof, 0.5 * statistic);
-}
+using stats::ChiSquaredPValue;
+using stats::RegularizedGammaQ;
 
 TEST(ChiSquaredHelperTest, MatchesClosedFormsAndTables) {
   for (double x : {0.01, 0.5, 1.0, 3.84, 10.0, 40.0}) {

@@ -21,6 +21,7 @@
 #include "kernels/philox.h"
 #include "service/cpu_sampler.h"
 #include "service/dtype_convert.h"
+#include "tests/common/chi_squared.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace flashsampler {
@@ -553,14 +554,7 @@ TEST(FusedSamplerGpuTest, RandomBf16TokensAgreeWithFp32CublasReference) {
       << near_ties << " near-tie disagreements out of " << kRows;
 }
 
-// Chi-squared p-value (upper tail) by the Wilson-Hilferty approximation,
-// accurate to well under 1e-3 in p for the degrees of freedom used here.
-double ChiSquaredPValue(double statistic, int dof) {
-  const double k = dof;
-  const double z = (std::cbrt(statistic / k) - (1.0 - 2.0 / (9.0 * k))) /
-                   std::sqrt(2.0 / (9.0 * k));
-  return 0.5 * std::erfc(z / std::sqrt(2.0));
-}
+using stats::ChiSquaredPValue;
 
 struct ChiCase {
   int64_t vocab;

@@ -201,13 +201,13 @@ TEST(TpLayoutTest, ParsesSplits) {
 
 // The statistics helper of the GPU chi-squared tests, against table values.
 TEST(ChiSquaredHelperTest, SurvivalMatchesTables) {
-  using tp_test::ChiSquaredSurvival;
-  EXPECT_NEAR(ChiSquaredSurvival(3.841459, 1), 0.05, 1e-6);
-  EXPECT_NEAR(ChiSquaredSurvival(18.307038, 10), 0.05, 1e-6);
-  EXPECT_NEAR(ChiSquaredSurvival(124.342113, 100), 0.05, 1e-6);
-  EXPECT_NEAR(ChiSquaredSurvival(1063.0, 1000), 0.08151, 1e-4);
-  EXPECT_NEAR(ChiSquaredSurvival(0.0, 5), 1.0, 1e-12);
-  EXPECT_LT(ChiSquaredSurvival(200.0, 10), 1e-30);
+  using tp_test::ChiSquaredPValue;
+  EXPECT_NEAR(ChiSquaredPValue(3.841459, 1), 0.05, 1e-6);
+  EXPECT_NEAR(ChiSquaredPValue(18.307038, 10), 0.05, 1e-6);
+  EXPECT_NEAR(ChiSquaredPValue(124.342113, 100), 0.05, 1e-6);
+  EXPECT_NEAR(ChiSquaredPValue(1063.0, 1000), 0.08151, 1e-4);
+  EXPECT_NEAR(ChiSquaredPValue(0.0, 5), 1.0, 1e-12);
+  EXPECT_LT(ChiSquaredPValue(200.0, 10), 1e-30);
 }
 
 TEST(ChiSquaredHelperTest, PoolsSmallBinsAndDetectsABadFit) {
