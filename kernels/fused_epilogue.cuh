@@ -66,31 +66,15 @@ __device__ __forceinline__ float DivideInLogRange(float f, float d) {
 }
 
 // AccurateLog (kernels/philox.h) with DivideInLogRange for the division;
-// every other operation is the same round-to-nearest operation in the same
-// order.
+// every other operation is AccurateLog's own.
+struct LogRangeDivide {
+  __device__ __forceinline__ float operator()(float a, float b) const {
+    return DivideInLogRange(a, b);
+  }
+};
+
 __device__ __forceinline__ float FastAccurateLog(float x) {
-  constexpr float kLn2Hi = 6.9313812256e-01f;
-  constexpr float kLn2Lo = 9.0580006145e-06f;
-  constexpr float kLg1 = 0.66666662693f;
-  constexpr float kLg2 = 0.40000972152f;
-  constexpr float kLg3 = 0.28498786688f;
-  constexpr float kLg4 = 0.24279078841f;
-  uint32_t bits = __float_as_uint(x);
-  bits += 0x3f800000u - 0x3f3504f3u;
-  const int k = static_cast<int>(bits >> 23) - 0x7f;
-  bits = (bits & 0x007fffffu) + 0x3f3504f3u;
-  const float f = __fsub_rn(__uint_as_float(bits), 1.0f);
-  const float s = DivideInLogRange(f, __fadd_rn(2.0f, f));
-  const float z = __fmul_rn(s, s);
-  const float w = __fmul_rn(z, z);
-  const float t1 = __fmul_rn(w, __fadd_rn(kLg2, __fmul_rn(w, kLg4)));
-  const float t2 = __fmul_rn(z, __fadd_rn(kLg1, __fmul_rn(w, kLg3)));
-  const float r = __fadd_rn(t2, t1);
-  const float hfsq = __fmul_rn(0.5f, __fmul_rn(f, f));
-  const float dk = static_cast<float>(k);
-  const float small =
-      __fadd_rn(__fmul_rn(s, __fadd_rn(hfsq, r)), __fmul_rn(dk, kLn2Lo));
-  return __fadd_rn(__fmul_rn(dk, kLn2Hi), __fsub_rn(f, __fsub_rn(hfsq, small)));
+  return AccurateLogWithDivide(x, LogRangeDivide{});
 }
 
 // bits.v[index] without a run-time index into an array (which would put

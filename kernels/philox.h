@@ -99,8 +99,15 @@ FS_HOST_DEVICE float BitsToFloat(uint32_t bits) {
 // agree bit for bit (CUDA's logf and glibc's logf are both accurate but not
 // identical). Classic reduction x = 2^k * m with m in [sqrt(2)/2, sqrt(2)),
 // then log(m) = 2 atanh(s), s = (m - 1) / (m + 1), with the fdlibm minimax
-// coefficients for the odd series.
-FS_HOST_DEVICE float AccurateLog(float x) {
+// coefficients for the odd series. `divide(a, b)` must return the correctly
+// rounded a / b for the arguments used here: the CUDA epilogue passes a
+// cheaper division that is exact on this range (fused_epilogue.cuh), so both
+// share every other operation.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Divide>
+FS_HOST_DEVICE float AccurateLogWithDivide(float x, Divide divide) {
   constexpr float kLn2Hi = 6.9313812256e-01f;  // ln 2, top bits (exact * k)
   constexpr float kLn2Lo = 9.0580006145e-06f;  // ln 2 - kLn2Hi
   constexpr float kLg1 = 0.66666662693f;
@@ -113,7 +120,7 @@ FS_HOST_DEVICE float AccurateLog(float x) {
   const int k = static_cast<int>(bits >> 23) - 0x7f;
   bits = (bits & 0x007fffffu) + 0x3f3504f3u;
   const float f = FS_FSUB(BitsToFloat(bits), 1.0f);  // exact (Sterbenz)
-  const float s = FS_FDIV(f, FS_FADD(2.0f, f));
+  const float s = divide(f, FS_FADD(2.0f, f));
   const float z = FS_FMUL(s, s);
   const float w = FS_FMUL(z, z);
   const float t1 = FS_FMUL(w, FS_FADD(kLg2, FS_FMUL(w, kLg4)));
@@ -125,6 +132,17 @@ FS_HOST_DEVICE float AccurateLog(float x) {
   const float small =
       FS_FADD(FS_FMUL(s, FS_FADD(hfsq, r)), FS_FMUL(dk, kLn2Lo));
   return FS_FADD(FS_FMUL(dk, kLn2Hi), FS_FSUB(f, FS_FSUB(hfsq, small)));
+}
+
+// IEEE round-to-nearest division (the default of AccurateLog).
+struct RoundedDivide {
+  FS_HOST_DEVICE float operator()(float a, float b) const {
+    return FS_FDIV(a, b);
+  }
+};
+
+FS_HOST_DEVICE float AccurateLog(float x) {
+  return AccurateLogWithDivide(x, RoundedDivide{});
 }
 
 // Standard Gumbel(0, 1) sample from a uniform in (0, 1): -log(-log(u)).
