@@ -28,7 +28,7 @@
 namespace flashsampler {
 namespace {
 
-using tp_test::FloatToBf16Bits;
+using tp_test::FloatToBf16;
 
 int VisibleGpus() {
   int count = 0;
@@ -318,7 +318,7 @@ Problem RandomProblem(int64_t vocab, int hidden, uint64_t seed) {
   p.weights.resize(static_cast<size_t>(vocab) * hidden);
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> dist(-0.1f, 0.1f);
-  for (uint16_t& w : p.weights) w = FloatToBf16Bits(dist(rng));
+  for (uint16_t& w : p.weights) w = FloatToBf16(dist(rng));
   return p;
 }
 
@@ -331,7 +331,7 @@ Batch RandomBatch(int rows, int num_samples, int hidden, std::mt19937_64* rng) {
   b.num_samples = num_samples;
   b.hidden.resize(static_cast<size_t>(rows) * hidden);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  for (uint16_t& h : b.hidden) h = FloatToBf16Bits(dist(*rng));
+  for (uint16_t& h : b.hidden) h = FloatToBf16(dist(*rng));
   const float temperatures[3] = {1.0f, 0.7f, 1.3f};
   for (int i = 0; i < rows; ++i) {
     b.inv_temperature.push_back(i % 8 == 7 ? 0.0f : 1.0f / temperatures[i % 3]);
@@ -481,7 +481,7 @@ TEST_P(TpChiSquaredTest, Tp2MatchesExactSoftmax) {
     for (int k = 0; k < kHidden; ++k) {
       const int w = static_cast<int>(rng() % 5) - 2;  // -2..2
       const int v = k < 4 ? std::max(-1, std::min(1, w)) : w;
-      problem.weights[i * kHidden + k] = FloatToBf16Bits(static_cast<float>(v));
+      problem.weights[i * kHidden + k] = FloatToBf16(static_cast<float>(v));
       if (k < 4) sum += v;
     }
     logits[i] = sum;
@@ -505,10 +505,10 @@ TEST_P(TpChiSquaredTest, Tp2MatchesExactSoftmax) {
     batch.rows = kRows;
     batch.num_samples = kSamples;
     batch.hidden.assign(static_cast<size_t>(kRows) * kHidden,
-                        FloatToBf16Bits(0.0f));
+                        FloatToBf16(0.0f));
     for (int b = 0; b < kRows; ++b) {
       for (int k = 0; k < 4; ++k) {
-        batch.hidden[b * kHidden + k] = FloatToBf16Bits(1.0f);
+        batch.hidden[b * kHidden + k] = FloatToBf16(1.0f);
       }
       batch.inv_temperature.push_back(1.0f);
       batch.seeds.push_back(rng());
@@ -551,7 +551,7 @@ TEST(AllGatherBaselineTest, MatchesTp1OnExactLogitsWithUnevenShards) {
   std::mt19937_64 rng(0xba5e);
   problem.weights.resize(problem.vocab * kHidden);
   for (uint16_t& w : problem.weights) {
-    w = FloatToBf16Bits(static_cast<float>(static_cast<int>(rng() % 3) - 1));
+    w = FloatToBf16(static_cast<float>(static_cast<int>(rng() % 3) - 1));
   }
   Tp1Runner tp1;
   ASSERT_NO_FATAL_FAILURE(tp1.Init(problem, kSamples));
@@ -572,7 +572,7 @@ TEST(AllGatherBaselineTest, MatchesTp1OnExactLogitsWithUnevenShards) {
     batch.num_samples = kSamples;
     for (int i = 0; i < rows * kHidden; ++i) {
       batch.hidden.push_back(
-          FloatToBf16Bits(static_cast<float>(static_cast<int>(rng() % 3) - 1)));
+          FloatToBf16(static_cast<float>(static_cast<int>(rng() % 3) - 1)));
     }
     for (int b = 0; b < rows; ++b) {
       batch.inv_temperature.push_back(b % 4 == 3 ? 0.0f : 1.0f);
@@ -612,10 +612,10 @@ TEST(AllGatherBaselineTest, MatchesTp1OnExactLogitsWithUnevenShards) {
         const TpShard& s = tp.layout().shards[rank];
         float exact = 0;
         for (int k = 0; k < kHidden; ++k) {
-          exact += tp_test::Bf16BitsToFloat(batch.hidden[b * kHidden + k]) *
-                   tp_test::Bf16BitsToFloat(problem.weights[i * kHidden + k]);
+          exact += tp_test::Bf16ToFloat(batch.hidden[b * kHidden + k]) *
+                   tp_test::Bf16ToFloat(problem.weights[i * kHidden + k]);
         }
-        const float got = tp_test::Bf16BitsToFloat(
+        const float got = tp_test::Bf16ToFloat(
             gathered[(rank * rows + b) * stride + (i - s.vocab_offset)]);
         ASSERT_EQ(got, exact) << "row " << b << " token " << i;
       }

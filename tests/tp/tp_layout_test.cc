@@ -231,7 +231,7 @@ TEST(ChiSquaredHelperTest, PoolsSmallBinsAndDetectsABadFit) {
 TEST(Bf16HelperTest, RoundTripsSmallIntegers) {
   for (int i = -256; i <= 256; ++i) {
     const float x = static_cast<float>(i);
-    EXPECT_EQ(tp_test::Bf16BitsToFloat(tp_test::FloatToBf16Bits(x)), x);
+    EXPECT_EQ(tp_test::Bf16ToFloat(tp_test::FloatToBf16(x)), x);
   }
 }
 
