@@ -189,12 +189,24 @@ __device__ __forceinline__ void WgmmaWait() {
 // 1024 bytes (stride byte offset), swizzle mode 1 (128B) in bits 62-63. The
 // atom base must be 1024-byte aligned (base offset 0). Advancing K by 16
 // elements inside the atom adds 32 bytes to the start address.
+//
+// Only the low word (start address >> 4, leading byte offset 16) depends on
+// the address; the high word (stride byte offset, swizzle) is a constant.
+// The main loop advances descriptors with 32-bit adds on the low word: the
+// address field (bits 0-13) cannot carry, shared memory being < 256 KB. A
+// 64-bit add cost a carry chain and twice the moves into uniform registers
+// per wgmma (device profile 2026-11-22: ~216 instructions per k-step).
+__device__ __forceinline__ uint32_t WgmmaDescriptorLow(uint32_t smem_address) {
+  return ((smem_address & 0x3FFFFu) >> 4) | ((16u >> 4) << 16);
+}
+
+__device__ __forceinline__ uint64_t WgmmaDescriptorFromLow(uint32_t low) {
+  constexpr uint32_t kHigh = (1024u >> 4) | (1u << 30);  // 128-byte swizzle
+  return (static_cast<uint64_t>(kHigh) << 32) | low;
+}
+
 __device__ __forceinline__ uint64_t WgmmaDescriptor(uint32_t smem_address) {
-  uint64_t desc = (smem_address & 0x3FFFFu) >> 4;
-  desc |= static_cast<uint64_t>(16 >> 4) << 16;    // leading byte offset
-  desc |= static_cast<uint64_t>(1024 >> 4) << 32;  // stride byte offset
-  desc |= 1ull << 62;                              // 128-byte swizzle
-  return desc;
+  return WgmmaDescriptorFromLow(WgmmaDescriptorLow(smem_address));
 }
 
 }  // namespace ptx

@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/fused_sampler_internal.h"
 #include "kernels/philox.h"
@@ -135,28 +136,42 @@ __device__ __forceinline__ void PruneBounds(float scaled, float u, float* lower,
 // -ln(-ln 2^-24) = -2.8116. The exact fp32 noise is within 1e-5 of the
 // real one, inside the 2^-10 margins; sums are rounded outwards as in
 // PruneBounds.
-__device__ __forceinline__ void WordBounds(float scaled, uint32_t word,
-                                           float* lower, float* upper) {
-  constexpr float kLn2 = 0.693147182f;
-  constexpr float kMargin = 1.0f / 1024.0f;
-  const int k = min(__clz(~word), 23);
-  const float kf = static_cast<float>(k);
-  const float noise_upper = __fmaf_ru(kf + 1.0f, kLn2, kMargin);
-  const float noise_lower =
-      k == 0 ? -2.8125f - kMargin : __fmaf_rd(kf, kLn2, -0.5f - kMargin);
-  *lower = __fadd_rd(scaled, noise_lower);
-  *upper = __fadd_ru(scaled, noise_upper);
+constexpr float kWordBoundLn2 = 0.693147182f;
+constexpr float kWordBoundMargin = 1.0f / 1024.0f;
+
+__device__ __forceinline__ float WordUpperBound(float scaled, uint32_t word) {
+  const float kf = static_cast<float>(min(__clz(~word), 23));
+  return __fadd_ru(scaled,
+                   __fmaf_ru(kf + 1.0f, kWordBoundLn2, kWordBoundMargin));
 }
 
-// Floats per staged column: 16 rows + 4 padding, so that the four scalar
+__device__ __forceinline__ void WordBounds(float scaled, uint32_t word,
+                                           float* lower, float* upper) {
+  const int k = min(__clz(~word), 23);
+  const float noise_lower =
+      k == 0 ? -2.8125f - kWordBoundMargin
+             : __fmaf_rd(static_cast<float>(k), kWordBoundLn2,
+                         -0.5f - kWordBoundMargin);
+  *lower = __fadd_rd(scaled, noise_lower);
+  *upper = WordUpperBound(scaled, word);
+}
+
+// Staging of the mma.sync path (ScoreFragments): one m16 x n8 fragment at a
+// time, 16 rows + 4 padding floats per column, so that the four scalar
 // stores of a fragment hit 32 distinct banks.
 constexpr int kStagingStride = 20;
 constexpr int kStagingFloats = 8 * kStagingStride;
+// Staging of the wgmma path (ScoreFragmentQuad): four fragments, 16 columns
+// x 32 rows, 32 rows + 4 padding floats per column (stores hit 32 distinct
+// banks; each quarter-warp's 16-byte loads cover all 32 banks once).
+constexpr int kQuadStagingStride = 36;
+constexpr int kQuadStagingFloats = 16 * kQuadStagingStride;
 
 // Epilogue shared memory of a CTA with kWarps epilogue warps and kBlockN
-// batch columns.
-template <int kBlockN, int kWarps>
+// batch columns, kStaging floats of staging per warp.
+template <int kBlockN, int kWarps, int kStaging = kStagingFloats>
 struct EpilogueShared {
+  static constexpr int kColumns = kBlockN;
   float inv_temperature[kBlockN];
   uint64_t seed[kBlockN];
   uint64_t step[kBlockN];
@@ -164,7 +179,7 @@ struct EpilogueShared {
   // Per column, a score some token of this launch already reached (see
   // LoadColumnFloors); -inf when unknown.
   float floor_score[kBlockN];
-  float staging[kWarps][kStagingFloats];
+  float staging[kWarps][kStaging];
 };
 
 // Packs a candidate into a 64-bit key whose unsigned order is CandidateBetter:
@@ -192,10 +207,12 @@ __device__ __forceinline__ Candidate UnpackCandidate(unsigned long long key) {
 }
 
 // Loads the per-column sampling parameters of the CTA's batch columns.
-template <int kBlockN, int kWarps>
-__device__ __forceinline__ void LoadColumnParams(
-    const FusedArgs& args, int batch_base, int thread, int num_threads,
-    EpilogueShared<kBlockN, kWarps>& shared) {
+template <typename Shared>
+__device__ __forceinline__ void LoadColumnParams(const FusedArgs& args,
+                                                 int batch_base, int thread,
+                                                 int num_threads,
+                                                 Shared& shared) {
+  constexpr int kBlockN = Shared::kColumns;
   for (int i = thread; i < kBlockN; i += num_threads) {
     const int b = batch_base + i;
     const bool valid = b < args.batch;
@@ -208,16 +225,19 @@ __device__ __forceinline__ void LoadColumnParams(
 // Loads, per batch column, the score of the best candidate any CTA has
 // published so far for (sample, row) into the in-kernel stage-2 keys. The
 // final winner scores at least that much, so a token whose score is bounded
-// below it cannot win (PruneBounds). Only with the in-kernel stage 2 and no
-// per-tile candidates: a tile's own candidate must stay exact when one is
-// written out. Keys are zero at the start of every launch (the last CTA
-// re-zeroes them), and every non-zero key is a real candidate of this
-// launch; a stale read is still a valid floor since keys only grow.
-template <int kBlockN, int kWarps>
-__device__ __forceinline__ void LoadColumnFloors(
-    const FusedArgs& args, int sample, int batch_base, int thread,
-    int num_threads, EpilogueShared<kBlockN, kWarps>& shared) {
-  const bool use = args.keys != nullptr && args.candidates == nullptr;
+// below it cannot win (PruneBounds). Every key is also written out as a
+// tile candidate (StoreCandidates), so a tile pruned against it may report a
+// dominated candidate without changing the reduction. Keys are zero at the
+// start of every launch (the last CTA re-zeroes them), and every non-zero
+// key is a real candidate of this launch; a stale read is still a valid
+// floor since keys only grow.
+template <typename Shared>
+__device__ __forceinline__ void LoadColumnFloors(const FusedArgs& args,
+                                                 int sample, int batch_base,
+                                                 int thread, int num_threads,
+                                                 Shared& shared) {
+  constexpr int kBlockN = Shared::kColumns;
+  const bool use = args.keys != nullptr;
   for (int i = thread; i < kBlockN; i += num_threads) {
     const int b = batch_base + i;
     float floor = -__int_as_float(0x7f800000);  // -inf
@@ -231,18 +251,234 @@ __device__ __forceinline__ void LoadColumnFloors(
   }
 }
 
-// Scores kCount m16 x n8 fragments that cover the same 8 batch columns
-// (vocab rows row0[c] .. row0[c] + 15 each) for sample `sample`, and merges
-// each column's best into shared.best. `col0` is the CTA-local batch column
-// of fragment column 0. Taking several fragments at once gives the noise
-// kCount x 4 independent chains to interleave. Called by all 32 lanes of a
-// warp (the staging transpose is warp-synchronous).
-template <int kCount, int kBlockN, int kWarps>
+// Logit sources for ScoreRuns: a lane's kRuns x 4 logits in registers
+// (RegisterLogits), or 16 consecutive floats of a staging buffer
+// (StagedLogits).
+template <int kRuns>
+struct RegisterLogits {
+  const float (&values)[kRuns][4];
+  __device__ __forceinline__ float4 Run(int f) const {
+    return make_float4(values[f][0], values[f][1], values[f][2], values[f][3]);
+  }
+  __device__ __forceinline__ float At(int i) const {
+    float logit = 0.0f;
+#pragma unroll
+    for (int f = 0; f < kRuns; ++f) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (i == 4 * f + q) logit = values[f][q];
+      }
+    }
+    return logit;
+  }
+};
+
+struct StagedLogits {
+  const float* base;  // 16-byte aligned
+  __device__ __forceinline__ float4 Run(int f) const {
+    return *reinterpret_cast<const float4*>(base + 4 * f);
+  }
+  __device__ __forceinline__ float At(int i) const { return base[i]; }
+};
+
+// Scores one lane's share of a column: kRuns runs of 4 consecutive vocab rows
+// (shard-local rows row0 + f * run_stride .. + 3, logits.Run(f)) of CTA-local
+// batch column `col`, for sample `sample`, and merges the column's best into
+// shared.best. kLanesPerColumn aligned lanes hold the same column (4 for the
+// mma.sync staging, 2 for the wgmma one); all 32 lanes of the warp call this
+// together. More runs per lane give the noise more independent chains to
+// interleave (a single epilogue warp per scheduler is latency-bound: device
+// profile 2026-11-22, docs/perf/fused_kernel_attempts.md attempt 10).
+// `logits` gives the lane's logits: Run(f) the 4 of run f, At(i) logit i = 4f
+// + q; the wgmma path reads them from its staging buffer when needed rather
+// than keeping 16 of them live next to the 128 accumulators.
+template <int kRuns, int kLanesPerColumn, typename Logits, typename Shared>
+__device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
+                                          int run_stride, int col, int sample,
+                                          bool store_logits, int batch_base,
+                                          const FusedArgs& args, Shared& shared,
+                                          bool use_floor) {
+  static_assert(kLanesPerColumn == 2 || kLanesPerColumn == 4, "lane groups");
+  // Rows as arithmetic, not an array: a run-time pick into an array of
+  // rows put it in local memory.
+  const auto row = [row0, run_stride](int f) { return row0 + f * run_stride; };
+  const int lane = threadIdx.x & 31;
+  const int b = batch_base + col;
+  const bool in_batch = b < args.batch;
+  const float inv_temperature = in_batch ? shared.inv_temperature[col] : 0.0f;
+  const bool noisy = in_batch && inv_temperature != 0.0f;
+  if (in_batch && store_logits && args.logits_out != nullptr) {
+    float* out = args.logits_out + static_cast<int64_t>(b) * args.vocab_rows;
+#pragma unroll
+    for (int f = 0; f < kRuns; ++f) {
+      const float4 run = logits.Run(f);
+      const float values[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (row(f) + q < args.vocab_rows) out[row(f) + q] = values[q];
+      }
+    }
+  }
+  float best_score = -__int_as_float(0x7f800000);  // -inf
+  int32_t best_id = kNoToken;
+  // Exact pruning, in three steps of growing cost: bounds from the Philox
+  // word alone (WordBounds, no logarithm) against the column's best lower
+  // bound and the launch's floor; for the few tokens left, bounds from the
+  // fast logarithm (PruneBounds) against that and the best exact score so
+  // far; the exact noise only for what is left (about 1 token per column
+  // early in a launch, almost none once the floor is known).
+  // Only the upper bounds stay live: a survivor's Philox word is computed
+  // again (survivors are rare, and 16 more live registers per lane made the
+  // 128-column wgmma kernel spill).
+  float upper[kRuns][4];
+  float threshold = -__int_as_float(0x7f800000);  // -inf
+  uint64_t seed = 0;
+  uint64_t step = 0;
+  const bool floors_known =
+      use_floor &&
+      __all_sync(0xffffffffu, !noisy || shared.floor_score[col] >
+                                            -__int_as_float(0x7f800000));
+  if (noisy) {
+    seed = shared.seed[col];
+    step = shared.step[col];
+    if (use_floor) threshold = shared.floor_score[col];
+    // Tokens token0 .. token0 + 3 take words o .. o + 3 of the Philox
+    // groups token0 / 4 and token0 / 4 + 1, o = token0 % 4. With shard
+    // offsets a multiple of 4 (the usual case) o = 0 and one call serves
+    // the four tokens; the second call runs only otherwise (o is the same
+    // for the whole launch, so the branch never diverges).
+    const uint32_t o = static_cast<uint32_t>(args.vocab_offset & 3);
+    // with_lower: also the tokens' own lower bounds for the threshold.
+    const auto bound_runs = [&](auto with_lower) {
+#pragma unroll
+      for (int f = 0; f < kRuns; ++f) {
+        const uint32_t group =
+            static_cast<uint32_t>((args.vocab_offset + row(f)) >> 2);
+        const Philox4x32 lo =
+            NoiseBits4(seed, step, static_cast<uint32_t>(sample), group);
+        Philox4x32 hi = lo;
+        if (o != 0) {
+          hi = NoiseBits4(seed, step, static_cast<uint32_t>(sample), group + 1);
+        }
+        const int64_t rows_left = args.vocab_rows - row(f);
+        const float4 run = logits.Run(f);
+        const float values[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint32_t word = lo.v[q];
+          if (o != 0) {
+            const uint32_t index = o + q;  // 1 .. 6
+            word =
+                index < 4 ? SelectWord(lo, index) : SelectWord(hi, index - 4);
+          }
+          const float scaled = __fmul_rn(values[q], inv_temperature);
+          if constexpr (decltype(with_lower)::value) {
+            float lower;
+            WordBounds(scaled, word, &lower, &upper[f][q]);
+            if (q < rows_left) threshold = fmaxf(threshold, lower);
+          } else {
+            upper[f][q] = WordUpperBound(scaled, word);
+          }
+        }
+      }
+    };
+    // Once every sampled column of the warp has a floor (after a CTA's
+    // first items), a token's own lower bound almost never beats it: skip
+    // them (warp-uniform; ~4 instructions per token). Pruning against the
+    // floor alone is just as exact, only looser.
+    if (floors_known) {
+      bound_runs(std::false_type{});
+    } else {
+      bound_runs(std::true_type{});
+    }
+  }
+  // The lanes of a column hold the same `noisy`; the others pass -inf.
+#pragma unroll
+  for (int offset = 1; offset < kLanesPerColumn; offset <<= 1) {
+    threshold =
+        fmaxf(threshold, __shfl_xor_sync(0xffffffffu, threshold, offset));
+  }
+  if (noisy) {
+    uint32_t survivors = 0;
+#pragma unroll
+    for (int f = 0; f < kRuns; ++f) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (row(f) + q < args.vocab_rows && upper[f][q] >= threshold) {
+          survivors |= 1u << (4 * f + q);
+        }
+      }
+    }
+    while (survivors != 0) {
+      const int pick = __ffs(survivors) - 1;
+      survivors &= survivors - 1;
+      const float logit = logits.At(pick);
+      const int64_t pick_row = row(pick / 4) + (pick & 3);
+      const int64_t token = args.vocab_offset + pick_row;
+      const uint32_t word =
+          SelectWord(NoiseBits4(seed, step, static_cast<uint32_t>(sample),
+                                static_cast<uint32_t>(token >> 2)),
+                     static_cast<uint32_t>(token & 3));
+      const float u = UniformFromBits(word);
+      float fast_lower;
+      float fast_upper;
+      PruneBounds(__fmul_rn(logit, inv_temperature), u, &fast_lower,
+                  &fast_upper);
+      // Strictly below a token's lower bound or an evaluated candidate:
+      // strictly worse than that token, so it cannot win.
+      if (fast_upper < fmaxf(threshold, best_score)) continue;
+      const float score =
+          GumbelScore(logit, inv_temperature, FastGumbelFromUniform(u));
+      const int32_t id = static_cast<int32_t>(token);
+      if (CandidateBetter(score, id, best_score, best_id)) {
+        best_score = score;
+        best_id = id;
+      }
+    }
+  } else if (in_batch) {
+    // Greedy: argmax of the logit itself, no noise.
+#pragma unroll
+    for (int f = 0; f < kRuns; ++f) {
+      const float4 run = logits.Run(f);
+      const float values[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int32_t id = static_cast<int32_t>(args.vocab_offset + row(f) + q);
+        if (row(f) + q < args.vocab_rows &&
+            CandidateBetter(values[q], id, best_score, best_id)) {
+          best_score = values[q];
+          best_id = id;
+        }
+      }
+    }
+  }
+  // With pruning most calls leave no candidate in the whole warp: skip the
+  // merge then (warp-uniform).
+  if (!__any_sync(0xffffffffu, best_id != kNoToken)) return;
+#pragma unroll
+  for (int offset = 1; offset < kLanesPerColumn; offset <<= 1) {
+    const float other_score = __shfl_xor_sync(0xffffffffu, best_score, offset);
+    const int32_t other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
+    if (CandidateBetter(other_score, other_id, best_score, best_id)) {
+      best_score = other_score;
+      best_id = other_id;
+    }
+  }
+  if ((lane & (kLanesPerColumn - 1)) == 0 && in_batch && best_id != kNoToken) {
+    atomicMax(&shared.best[col], PackCandidate(best_score, best_id));
+  }
+}
+
+// The mma.sync path: scores kCount m16 x n8 fragments that cover the same 8
+// batch columns (vocab rows row0 + 16 f .. + 15 for fragment f). `col0` is the
+// CTA-local batch column of fragment column 0. The per-warp staging buffer
+// transposes each fragment so that a lane holds 4 consecutive vocab rows of
+// one column (one Philox call serves them); 4 lanes share a column.
+template <int kCount, typename Shared>
 __device__ __forceinline__ void ScoreFragments(
-    const float (&frags)[kCount][4], const int64_t (&row0)[kCount], int col0,
-    int sample, bool store_logits, int batch_base, const FusedArgs& args,
-    float* staging, EpilogueShared<kBlockN, kWarps>& shared,
-    bool use_floor = false) {
+    const float (&frags)[kCount][4], int64_t row0, int col0, int sample,
+    bool store_logits, int batch_base, const FusedArgs& args, float* staging,
+    Shared& shared, bool use_floor = false) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int c = lane & 3;
@@ -262,170 +498,48 @@ __device__ __forceinline__ void ScoreFragments(
     logits[f][2] = v.z;
     logits[f][3] = v.w;
   }
+  ScoreRuns<kCount, 4>(RegisterLogits<kCount>{logits}, row0 + 4 * (lane & 3),
+                       16, col0 + (lane >> 2), sample, store_logits, batch_base,
+                       args, shared, use_floor);
+}
 
-  const int col = col0 + (lane >> 2);
-  const int b = batch_base + col;
-  int64_t row[kCount];  // shard-local row of logits[f][0]
+// The wgmma path: scores four m16 x n8 fragments of a warp, frags[h][v] for
+// batch columns col0 + 8h .. + 7 and vocab rows row0 + 64 v .. + 15 (v = 0,
+// 1: the warp's rows of the two m64 halves). The staging buffer
+// (kQuadStagingFloats per warp) regroups them so that a lane holds 16
+// consecutive vocab rows of one column, 4 Philox calls and 16 tokens with a
+// single seed: two lanes share a column.
+template <typename Shared>
+__device__ __forceinline__ void ScoreFragmentQuad(
+    const float (&frags)[2][2][4], int64_t row0, int col0, int sample,
+    bool store_logits, int batch_base, const FusedArgs& args, float* staging,
+    Shared& shared, bool use_floor) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int c = lane & 3;
+  // Element (row r, column n) of the quad at staging[n * stride + r], rows
+  // 0-15 from half 0 and 16-31 from half 1.
 #pragma unroll
-  for (int f = 0; f < kCount; ++f) row[f] = row0[f] + 4 * (lane & 3);
-  float best_score = -__int_as_float(0x7f800000);  // -inf
-  int32_t best_id = kNoToken;
-  if (b < args.batch) {
-    if (store_logits && args.logits_out != nullptr) {
-      float* out = args.logits_out + static_cast<int64_t>(b) * args.vocab_rows;
+  for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int f = 0; f < kCount; ++f) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (row[f] + q < args.vocab_rows) out[row[f] + q] = logits[f][q];
-        }
-      }
-    }
-    const float inv_temperature = shared.inv_temperature[col];
-    if (inv_temperature == 0.0f) {
-      // Greedy: argmax of the logit itself, no noise.
-#pragma unroll
-      for (int f = 0; f < kCount; ++f) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int32_t id =
-              static_cast<int32_t>(args.vocab_offset + row[f] + q);
-          if (row[f] + q < args.vocab_rows &&
-              CandidateBetter(logits[f][q], id, best_score, best_id)) {
-            best_score = logits[f][q];
-            best_id = id;
-          }
-        }
-      }
-    } else {
-      const uint64_t seed = shared.seed[col];
-      const uint64_t step = shared.step[col];
-      // Tokens token0 .. token0 + 3 take words o .. o + 3 of the Philox
-      // groups token0 / 4 and token0 / 4 + 1, o = token0 % 4. With shard
-      // offsets a multiple of 4 (the usual case) o = 0 and one call serves
-      // the four tokens; the second call runs only otherwise (o is the same
-      // for the whole launch, so the branch never diverges).
-      const uint32_t o = static_cast<uint32_t>(args.vocab_offset & 3);
-      Philox4x32 lo[kCount];
-      Philox4x32 hi[kCount];
-#pragma unroll
-      for (int f = 0; f < kCount; ++f) {
-        const uint32_t group =
-            static_cast<uint32_t>((args.vocab_offset + row[f]) >> 2);
-        lo[f] = NoiseBits4(seed, step, static_cast<uint32_t>(sample), group);
-        hi[f] = lo[f];
-        if (o != 0) {
-          hi[f] =
-              NoiseBits4(seed, step, static_cast<uint32_t>(sample), group + 1);
-        }
-      }
-      // Exact pruning, in three steps of growing cost: bounds from the
-      // Philox word alone (WordBounds, no logarithm) against the column's
-      // best lower bound and the launch's floor; for the few tokens left,
-      // bounds from the fast logarithm (PruneBounds) against that and the
-      // best exact score so far; the exact noise only for what is left
-      // (about 1 token per column early in a launch, almost none once the
-      // floor is known).
-      uint32_t words[kCount][4];
-      bool valid[kCount][4];
-#pragma unroll
-      for (int f = 0; f < kCount; ++f) {
-        const int64_t rows_left = args.vocab_rows - row[f];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          valid[f][q] = q < rows_left;
-          if (o == 0) {
-            words[f][q] = lo[f].v[q];
-          } else {
-            const uint32_t index = o + q;  // 1 .. 6
-            words[f][q] = index < 4 ? SelectWord(lo[f], index)
-                                    : SelectWord(hi[f], index - 4);
-          }
-        }
-      }
-      float scaled[kCount][4];
-      float upper[kCount][4];
-      float threshold = use_floor ? shared.floor_score[col]
-                                  : -__int_as_float(0x7f800000);  // -inf
-#pragma unroll
-      for (int f = 0; f < kCount; ++f) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          scaled[f][q] = __fmul_rn(logits[f][q], inv_temperature);
-          float lower;
-          WordBounds(scaled[f][q], words[f][q], &lower, &upper[f][q]);
-          if (valid[f][q]) threshold = fmaxf(threshold, lower);
-        }
-      }
-      // The four lanes of a column take this branch together.
-      const unsigned group_mask = 0xfu << (lane & ~3);
-#pragma unroll
-      for (int offset = 1; offset <= 2; offset <<= 1) {
-        threshold =
-            fmaxf(threshold, __shfl_xor_sync(group_mask, threshold, offset));
-      }
-      uint32_t survivors = 0;
-#pragma unroll
-      for (int f = 0; f < kCount; ++f) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (valid[f][q] && upper[f][q] >= threshold) {
-            survivors |= 1u << (4 * f + q);
-          }
-        }
-      }
-      while (survivors != 0) {
-        const int pick = __ffs(survivors) - 1;
-        survivors &= survivors - 1;
-        float logit = 0.0f;
-        float pick_scaled = 0.0f;
-        uint32_t word = 0;
-        int64_t pick_row = 0;
-#pragma unroll
-        for (int f = 0; f < kCount; ++f) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            if (pick == 4 * f + q) {
-              logit = logits[f][q];
-              pick_scaled = scaled[f][q];
-              word = words[f][q];
-              pick_row = row[f] + q;
-            }
-          }
-        }
-        const float u = UniformFromBits(word);
-        float fast_lower;
-        float fast_upper;
-        PruneBounds(pick_scaled, u, &fast_lower, &fast_upper);
-        // Strictly below a token's lower bound or an evaluated candidate:
-        // strictly worse than that token, so it cannot win.
-        if (fast_upper < fmaxf(threshold, best_score)) continue;
-        const float score =
-            GumbelScore(logit, inv_temperature, FastGumbelFromUniform(u));
-        const int32_t id = static_cast<int32_t>(args.vocab_offset + pick_row);
-        if (CandidateBetter(score, id, best_score, best_id)) {
-          best_score = score;
-          best_id = id;
-        }
-      }
+    for (int v = 0; v < 2; ++v) {
+      float* base = staging + (8 * h + 2 * c) * kQuadStagingStride + 16 * v + g;
+      base[0] = frags[h][v][0];
+      base[kQuadStagingStride] = frags[h][v][1];
+      base[8] = frags[h][v][2];
+      base[kQuadStagingStride + 8] = frags[h][v][3];
     }
   }
-  // With pruning most calls leave no candidate in the whole warp: skip the
-  // merge then (warp-uniform).
-  if (!__any_sync(0xffffffffu, best_id != kNoToken)) return;
-    // Lanes 4k..4k+3 hold the same column.
-#pragma unroll
-  for (int offset = 1; offset <= 2; offset <<= 1) {
-    const float other_score = __shfl_xor_sync(0xffffffffu, best_score, offset);
-    const int32_t other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
-    if (CandidateBetter(other_score, other_id, best_score, best_id)) {
-      best_score = other_score;
-      best_id = other_id;
-    }
-  }
-  if ((lane & 3) == 0 && b < args.batch && best_id != kNoToken) {
-    atomicMax(&shared.best[col], PackCandidate(best_score, best_id));
-  }
+  __syncwarp();
+  const int column = lane >> 1;
+  const int half = lane & 1;
+  const StagedLogits lane_logits{staging + column * kQuadStagingStride +
+                                 16 * half};
+  ScoreRuns<4, 2>(lane_logits, row0 + 64 * half, 4, col0 + column, sample,
+                  store_logits, batch_base, args, shared, use_floor);
+  // Every lane is done with the staging buffer before the next call's
+  // stores (ScoreRuns' last shuffles need not run).
+  __syncwarp();
 }
 
 // Moves accumulator block 0 (4 floats) to the end of the array: the
@@ -447,45 +561,39 @@ __device__ __forceinline__ void RotateBlocks(float (&acc)[kCount]) {
   acc[kCount - 1] = t3;
 }
 
-// Copies accumulator block `block` (floats 4 * block .. 4 * block + 3) out
-// of `acc` without a run-time index into the array (which would move it to
-// local memory): a switch on the warp-uniform block number, one small case
-// per block. Costs a jump and 4 moves per call, where RotateBlocks costs
-// kCount moves (the wgmma kernel: 128 moves per 8 logits per lane).
+// Copies accumulator blocks 2 * pair and 2 * pair + 1 (floats 8 * pair ..
+// 8 * pair + 7) of both m64 halves out of acc0 / acc1 into
+// out[block][half][4], without a run-time index into the arrays (which would
+// move them to local memory): one switch on the warp-uniform pair number, one
+// small case per pair. One switch rather than one per block: four of them
+// made ptxas spill the copies (attempt 10).
 template <int kCount>
-__device__ __forceinline__ void ReadBlock(const float (&acc)[kCount], int block,
-                                          float (&out)[4]) {
-  static_assert(kCount % 4 == 0 && kCount <= 64, "up to 16 blocks of 4");
-#define FS_READ_BLOCK(i)                    \
-  case i:                                   \
-    if constexpr (4 * (i) < kCount) {       \
-      out[0] = acc[4 * (i) % kCount];       \
-      out[1] = acc[(4 * (i) + 1) % kCount]; \
-      out[2] = acc[(4 * (i) + 2) % kCount]; \
-      out[3] = acc[(4 * (i) + 3) % kCount]; \
-    }                                       \
+__device__ __forceinline__ void ReadBlockQuad(const float (&acc0)[kCount],
+                                              const float (&acc1)[kCount],
+                                              int pair, float (&out)[2][2][4]) {
+  static_assert(kCount % 8 == 0 && kCount <= 64, "up to 8 pairs of blocks");
+#define FS_READ_PAIR(i)                                      \
+  case i:                                                    \
+    if constexpr (8 * (i) < kCount) {                        \
+      _Pragma("unroll") for (int e = 0; e < 8; ++e) {        \
+        out[e / 4][0][e % 4] = acc0[(8 * (i) + e) % kCount]; \
+        out[e / 4][1][e % 4] = acc1[(8 * (i) + e) % kCount]; \
+      }                                                      \
+    }                                                        \
     break;
-  switch (block) {
-    FS_READ_BLOCK(0)
-    FS_READ_BLOCK(1)
-    FS_READ_BLOCK(2)
-    FS_READ_BLOCK(3)
-    FS_READ_BLOCK(4)
-    FS_READ_BLOCK(5)
-    FS_READ_BLOCK(6)
-    FS_READ_BLOCK(7)
-    FS_READ_BLOCK(8)
-    FS_READ_BLOCK(9)
-    FS_READ_BLOCK(10)
-    FS_READ_BLOCK(11)
-    FS_READ_BLOCK(12)
-    FS_READ_BLOCK(13)
-    FS_READ_BLOCK(14)
-    FS_READ_BLOCK(15)
+  switch (pair) {
+    FS_READ_PAIR(0)
+    FS_READ_PAIR(1)
+    FS_READ_PAIR(2)
+    FS_READ_PAIR(3)
+    FS_READ_PAIR(4)
+    FS_READ_PAIR(5)
+    FS_READ_PAIR(6)
+    FS_READ_PAIR(7)
     default:
       break;
   }
-#undef FS_READ_BLOCK
+#undef FS_READ_PAIR
 }
 
 // Identity of the packed reduction (loses to every real candidate).
@@ -496,10 +604,13 @@ __device__ __forceinline__ unsigned long long IdentityKey() {
 // Publishes the CTA's winners of one sample: candidates [tile][sample]
 // [batch] when asked for, and/or a global atomicMax into the in-kernel
 // stage-2 keys [sample][batch].
-template <int kBlockN, int kWarps>
-__device__ __forceinline__ void StoreCandidates(
-    const FusedArgs& args, int64_t tile, int sample, int batch_base, int thread,
-    int num_threads, const EpilogueShared<kBlockN, kWarps>& shared) {
+template <typename Shared>
+__device__ __forceinline__ void StoreCandidates(const FusedArgs& args,
+                                                int64_t tile, int sample,
+                                                int batch_base, int thread,
+                                                int num_threads,
+                                                const Shared& shared) {
+  constexpr int kBlockN = Shared::kColumns;
   for (int i = thread; i < kBlockN; i += num_threads) {
     const int b = batch_base + i;
     if (b < args.batch) {
@@ -536,6 +647,7 @@ __device__ __forceinline__ void FinishInKernelReduce(
   const int pairs = args.num_samples * args.batch;
   for (int i = thread; i < pairs; i += num_threads) {
     const unsigned long long key = atomicExch(&args.keys[i], 0ull);
+    if (args.token_ids == nullptr) continue;  // keys were only a floor
     const Candidate best =
         key == 0 ? Candidate{-__int_as_float(0x7f800000), kNoToken}
                  : UnpackCandidate(key);

@@ -199,13 +199,18 @@ FusedKernel FusedSampleResolveKernel(FusedKernel requested) {
 cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                               size_t workspace_bytes, cudaStream_t stream) {
   const bool reduce_in_kernel = params.token_ids != nullptr;
-  if (reduce_in_kernel &&
-      (workspace == nullptr ||
-       workspace_bytes < FusedSampleWorkspaceSize(params.batch,
-                                                  params.vocab_rows,
-                                                  params.hidden_size) ||
-       params.num_samples > fused::kMaxInKernelReduceSamples ||
-       (reinterpret_cast<uintptr_t>(workspace) & 255u) != 0)) {
+  // The workspace's keys: the in-kernel stage 2, or (tensor parallel) only a
+  // pruning floor next to per-tile candidates.
+  const bool use_keys =
+      reduce_in_kernel ||
+      (params.floor_in_workspace &&
+       params.num_samples <= fused::kMaxInKernelReduceSamples);
+  if (use_keys && (workspace == nullptr ||
+                   workspace_bytes <
+                       FusedSampleWorkspaceSize(params.batch, params.vocab_rows,
+                                                params.hidden_size) ||
+                   params.num_samples > fused::kMaxInKernelReduceSamples ||
+                   (reinterpret_cast<uintptr_t>(workspace) & 255u) != 0)) {
     return cudaErrorInvalidValue;
   }
   if (params.weights == nullptr || params.hidden == nullptr ||
@@ -237,10 +242,9 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   args.steps = params.steps;
   args.candidates = params.candidates;
   args.logits_out = params.logits_out;
-  args.counter =
-      reduce_in_kernel ? static_cast<unsigned int*>(workspace) : nullptr;
+  args.counter = use_keys ? static_cast<unsigned int*>(workspace) : nullptr;
   args.keys =
-      reduce_in_kernel
+      use_keys
           ? reinterpret_cast<unsigned long long*>(
                 static_cast<char*>(workspace) + fused::kWorkspaceCounterBytes)
           : nullptr;

@@ -58,6 +58,16 @@ struct FusedSampleParams {
   // a workspace must be stream-ordered.
   int32_t* token_ids = nullptr;
   float* winning_scores = nullptr;
+  // With candidates and no token_ids (tensor parallel): also keep each row's
+  // best published candidate in the workspace (as token_ids needs it), so
+  // that tiles skip the tokens that cannot beat it (docs/perf/
+  // fused_kernel_attempts.md, attempt 5). A tile that cannot hold the winner
+  // may then report a dominated candidate or none (kNoToken at -inf);
+  // LaunchReduceCandidates over all tiles gives the same tokens, bit for
+  // bit. The workspace must be on this launch's GPU, zero-filled once and
+  // used by one launch at a time (each leaves it zeroed). Has no effect
+  // for num_samples > 64.
+  bool floor_in_workspace = false;
   // Optional [batch, vocab_rows] fp32 logits (tests of the IO model only).
   float* logits_out = nullptr;
   // Tensor-core path (see FusedKernel) and batch columns per work item (0 =
@@ -87,8 +97,9 @@ int FusedSampleTileRows();
 // Number of stage-1 tiles (candidates per row and sample) for a shard.
 int64_t FusedSampleNumTiles(int64_t vocab_rows);
 
-// Bytes of device scratch a launch with token_ids set needs (none without):
-// a counter and one 64-bit key per (sample, row), up to 64 samples.
+// Bytes of device scratch a launch with token_ids or floor_in_workspace set
+// needs (none without): a counter and one 64-bit key per (sample, row), up
+// to 64 samples.
 size_t FusedSampleWorkspaceSize(int batch, int64_t vocab_rows, int hidden_size);
 
 // The path kAuto resolves to on the current device (kMmaSync or kWgmma).
@@ -97,7 +108,8 @@ FusedKernel FusedSampleResolveKernel(FusedKernel requested);
 // Stage 1. Returns cudaErrorInvalidValue for unsupported shapes (hidden not a
 // multiple of 64, batch outside 1..kMaxFusedBatch, null or misaligned
 // pointers: weights and hidden must be 16-byte aligned; neither candidates
-// nor token_ids; token_ids without a large enough workspace), and
+// nor token_ids; token_ids or floor_in_workspace without a large enough
+// workspace), and
 // cudaErrorNotSupported for a forced path or block_n this device or build
 // lacks.
 cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,

@@ -36,6 +36,8 @@ struct FusedArgs {
   float* logits_out;             // optional [batch, vocab_rows]
   // In-kernel stage 2 (all null when off): packed per-(sample, row) winners
   // [n][batch], zero between launches; the arrival counter; the outputs.
+  // With per-tile candidates, keys and counter alone: the pruning floor
+  // (FusedSampleParams::floor_in_workspace), token_ids null.
   unsigned long long* keys;
   unsigned int* counter;
   int32_t* token_ids;     // [batch][n]

@@ -185,11 +185,8 @@ __global__ void __launch_bounds__(256, kMinBlocks)
       epilogue.best[i] = IdentityKey();
     }
     __syncthreads();
-    int64_t rows[kMi];
-#pragma unroll
-    for (int mi = 0; mi < kMi; ++mi) {
-      rows[mi] = tile_row0 + warp_row0 + mi * 16;
-    }
+    // Fragment mi covers vocab rows row0 + 16 mi .. + 15.
+    const int64_t row0 = tile_row0 + warp_row0;
 #pragma unroll 1
     for (int nj = 0; nj < kNj; ++nj) {
       float frags[kMi][4];
@@ -198,7 +195,7 @@ __global__ void __launch_bounds__(256, kMinBlocks)
 #pragma unroll
         for (int e = 0; e < 4; ++e) frags[mi][e] = acc[mi][0][e];
       }
-      ScoreFragments(frags, rows, warp_col0 + nj * 8, sample, sample == 0,
+      ScoreFragments(frags, row0, warp_col0 + nj * 8, sample, sample == 0,
                      batch_base, args, staging, epilogue);
       // Block nj + 1 moves to position 0 (see RotateBlocks).
 #pragma unroll

@@ -46,7 +46,8 @@ struct WgmmaKernelConfig {
   static constexpr int kStageBytesA = kHalfBytesA * kHalves;
   static constexpr int kStageBytesB = kHalfBytesB * kHalves;
   static_assert(kHalfBytesB % 1024 == 0, "swizzle atoms are 1024 bytes");
-  using Epilogue = EpilogueShared<kBlockN, 4>;
+  static_assert(kBlockN % 16 == 0, "the epilogue scores 16 columns per call");
+  using Epilogue = EpilogueShared<kBlockN, 4, kQuadStagingFloats>;
   static constexpr size_t kEpilogueBytes = (sizeof(Epilogue) + 15) / 16 * 16;
   static constexpr size_t kPipelineBytes =
       static_cast<size_t>(kStages) * (kStageBytesA + kStageBytesB);
@@ -87,14 +88,23 @@ __global__ void __launch_bounds__(384, 1)
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
   constexpr int kHalf = kBlockN / 2;  // accumulators per m64 wgmma
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // Rounded up to the 1024 bytes the swizzle atoms need by an offset from
+  // smem_raw, not through an integer cast, so that the compiler still knows
+  // every pointer below is shared memory (otherwise each epilogue access is
+  // a generic LD/ST and the base pointer a spilled 64-bit value: device
+  // profile 2026-11-22).
+  uint8_t* smem =
+      smem_raw + ((1024u - (ptx::SmemAddr(smem_raw) & 1023u)) & 1023u);
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + kStages * Config::kStageBytesA;
   uint64_t* full_bar =
       reinterpret_cast<uint64_t*>(smem + Config::kBarrierOffset);
   uint64_t* empty_bar = full_bar + kStages;
   int* last_flags = reinterpret_cast<int*>(empty_bar + kStages);
+  const uint32_t smem_a_base = ptx::SmemAddr(smem_a);
+  const uint32_t smem_b_base = ptx::SmemAddr(smem_b);
+  const uint32_t full_bar_base = ptx::SmemAddr(full_bar);
+  const uint32_t empty_bar_base = ptx::SmemAddr(empty_bar);
 
   const int warpgroup = threadIdx.x / 128;
   const int num_kb = args.hidden_size / kBlockK;
@@ -187,33 +197,36 @@ __global__ void __launch_bounds__(384, 1)
     // then every earlier ring phase is complete and the parity waits below
     // cannot pass on a stale phase.
     if (j >= 1) ptx::NamedBarrier(kHandoffBarrier + consumer, 256);
+    // Ring position of this item's first stage; advanced incrementally (a
+    // run-time % kStages per step costs a multiply-shift sequence).
     const uint32_t seq0 = static_cast<uint32_t>(j) * num_steps;
+    uint32_t stage = seq0 % kStages;
+    uint32_t phase = (seq0 / kStages) & 1;
+    uint32_t previous_stage = stage;
     for (int step = 0; step < num_steps; ++step) {
-      const uint32_t seq = seq0 + step;
-      const uint32_t stage = seq % kStages;
-      ptx::MbarrierWait(ptx::SmemAddr(&full_bar[stage]), (seq / kStages) & 1);
+      ptx::MbarrierWait(full_bar_base + 8 * stage, phase);
       if (step == num_steps - 1 && next_item_exists) {
         NamedBarrierArrive(kHandoffBarrier + (1 - consumer), 256);
       }
       ptx::WgmmaFence();
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
-        {
-          const uint32_t a_base = ptx::SmemAddr(
-              smem_a + stage * Config::kStageBytesA + h * Config::kHalfBytesA);
-          const uint64_t desc_a0 = ptx::WgmmaDescriptor(a_base);
-          const uint64_t desc_a1 = ptx::WgmmaDescriptor(a_base + 64 * 128);
-          const uint64_t desc_b = ptx::WgmmaDescriptor(ptx::SmemAddr(
-              smem_b + stage * Config::kStageBytesB + h * Config::kHalfBytesB));
+        const uint32_t a_low =
+            ptx::WgmmaDescriptorLow(smem_a_base + stage * Config::kStageBytesA +
+                                    h * Config::kHalfBytesA);
+        const uint32_t b_low =
+            ptx::WgmmaDescriptorLow(smem_b_base + stage * Config::kStageBytesB +
+                                    h * Config::kHalfBytesB);
 #pragma unroll
-          for (int kk = 0; kk < kBlockK / 16; ++kk) {
-            // 16 elements of K = 32 bytes = 2 units of the descriptor
-            // address. k-steps stay in order: half 0, then half 1.
-            ptx::Wgmma<T, kBlockN>::Run(acc0, desc_a0 + 2 * kk,
-                                        desc_b + 2 * kk);
-            ptx::Wgmma<T, kBlockN>::Run(acc1, desc_a1 + 2 * kk,
-                                        desc_b + 2 * kk);
-          }
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          // 16 elements of K = 32 bytes = 2 units of the descriptor address;
+          // rows 64-127 of the W tile start 64 x 128 bytes later. k-steps
+          // stay in order: half 0, then half 1.
+          const uint64_t desc_b = ptx::WgmmaDescriptorFromLow(b_low + 2 * kk);
+          ptx::Wgmma<T, kBlockN>::Run(
+              acc0, ptx::WgmmaDescriptorFromLow(a_low + 2 * kk), desc_b);
+          ptx::Wgmma<T, kBlockN>::Run(
+              acc1, ptx::WgmmaDescriptorFromLow(a_low + 512 + 2 * kk), desc_b);
         }
       }
       ptx::WgmmaCommit();
@@ -223,16 +236,18 @@ __global__ void __launch_bounds__(384, 1)
       FenceAccumulators(acc0);
       FenceAccumulators(acc1);
       if (step > 0 && lane == 0) {
-        ptx::MbarrierArrive(ptx::SmemAddr(&empty_bar[(seq - 1) % kStages]));
+        ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
+      }
+      previous_stage = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
       }
     }
     ptx::WgmmaWait<0>();
     FenceAccumulators(acc0);
     FenceAccumulators(acc1);
-    if (lane == 0) {
-      ptx::MbarrierArrive(
-          ptx::SmemAddr(&empty_bar[(seq0 + num_steps - 1) % kStages]));
-    }
+    if (lane == 0) ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
 
     const int64_t row0 = tile * kTileRows + warp * 16;
     for (int sample = 0; sample < args.num_samples; ++sample) {
@@ -241,14 +256,13 @@ __global__ void __launch_bounds__(384, 1)
       }
       LoadColumnFloors(args, sample, batch_base, thread, 128, epilogue);
       ptx::NamedBarrier(epilogue_barrier, 128);
-      const int64_t rows[2] = {row0, row0 + 64};
+      // Two n8 blocks (16 batch columns) of both m64 halves per call.
 #pragma unroll 1
-      for (int nj = 0; nj < kBlockN / 8; ++nj) {
-        float frags[2][4];
-        ReadBlock(acc0, nj, frags[0]);
-        ReadBlock(acc1, nj, frags[1]);
-        ScoreFragments(frags, rows, nj * 8, sample, sample == 0, batch_base,
-                       args, staging, epilogue, /*use_floor=*/true);
+      for (int nj = 0; nj < kBlockN / 8; nj += 2) {
+        float frags[2][2][4];
+        ReadBlockQuad(acc0, acc1, nj / 2, frags);
+        ScoreFragmentQuad(frags, row0, nj * 8, sample, sample == 0, batch_base,
+                          args, staging, epilogue, /*use_floor=*/true);
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
       StoreCandidates(args, tile, sample, batch_base, thread, 128, epilogue);

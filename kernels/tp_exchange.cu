@@ -656,6 +656,8 @@ cudaError_t TpExchange::Step(const std::vector<FusedSampleParams>& params,
     if (err != cudaSuccess) return err;
     FusedSampleParams p = params[r];
     p.candidates = StageOneOutput(r, batch, num_samples);
+    p.token_ids = nullptr;
+    p.floor_in_workspace = workspaces[r] != nullptr;
     {
       DeviceGuard guard(devices_[r]);
       err = LaunchFusedSample(p, workspaces[r], workspace_bytes[r], streams[r]);

@@ -168,8 +168,10 @@ class TpExchange {
                      float* winning_scores, cudaStream_t stream);
 
   // One whole step. params[r] describes rank r's shard (its `candidates` is
-  // ignored and replaced by StageOneOutput); workspaces[r] holds at least
-  // FusedSampleWorkspaceSize bytes on rank r's GPU.
+  // ignored and replaced by StageOneOutput); workspaces[r] is null or holds
+  // FusedSampleWorkspaceSize bytes on rank r's GPU, zero-filled once: then
+  // rank r's tiles prune against its best candidate so far
+  // (FusedSampleParams::floor_in_workspace).
   cudaError_t Step(const std::vector<FusedSampleParams>& params,
                    const std::vector<void*>& workspaces,
                    const std::vector<size_t>& workspace_bytes,

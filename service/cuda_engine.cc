@@ -54,6 +54,9 @@ struct SlotRank {
   cudaStream_t stream = nullptr;
   cudaEvent_t stage1_done = nullptr;  // rank r > 0: candidates written
   void* device_input = nullptr;       // [row params | hidden] on the device
+  // Zeroed once; every launch leaves it zeroed (fused_sampler.h). One GPU:
+  // the in-kernel stage 2; tensor parallel: the pruning floor.
+  void* workspace = nullptr;
 };
 
 struct Slot {
@@ -61,7 +64,6 @@ struct Slot {
   std::vector<SlotRank> ranks;
   cudaEvent_t stage2_done = nullptr;  // rank 0: candidates consumed
   Candidate* candidates = nullptr;    // rank 0: all ranks' tiles
-  void* workspace = nullptr;          // one rank: in-kernel stage 2
   int32_t* device_tokens = nullptr;   // rank 0: [rows][n]
   int32_t* host_tokens = nullptr;     // pinned
 };
@@ -311,6 +313,12 @@ absl::Status CudaEngine::Init() {
       FS_RETURN_IF_ERROR(
           Check(cudaMalloc(&slot_rank.device_input, input_bytes_),
                 "cudaMalloc(input)"));
+      FS_RETURN_IF_ERROR(
+          Check(cudaMalloc(&slot_rank.workspace, workspace_bytes_),
+                "cudaMalloc(workspace)"));
+      FS_RETURN_IF_ERROR(
+          Check(cudaMemset(slot_rank.workspace, 0, workspace_bytes_),
+                "cudaMemset(workspace)"));
     }
     FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
     FS_RETURN_IF_ERROR(Check(
@@ -324,13 +332,6 @@ absl::Status CudaEngine::Init() {
         Check(cudaMalloc(reinterpret_cast<void**>(&slot.device_tokens),
                          sizeof(int32_t) * max_tokens),
               "cudaMalloc(tokens)"));
-    if (num_ranks == 1) {
-      // Zeroed once; every launch leaves it zeroed (fused_sampler.h).
-      FS_RETURN_IF_ERROR(Check(cudaMalloc(&slot.workspace, workspace_bytes_),
-                               "cudaMalloc(workspace)"));
-      FS_RETURN_IF_ERROR(Check(cudaMemset(slot.workspace, 0, workspace_bytes_),
-                               "cudaMemset(workspace)"));
-    }
   }
 
   info_.backend = "cuda";
@@ -389,9 +390,10 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
       params.token_ids = tokens;
     } else {
       params.candidates = slot.candidates + rank.tile_offset * pairs;
+      params.floor_in_workspace = true;
     }
     FS_RETURN_IF_ERROR(
-        Check(LaunchFusedSample(params, slot.workspace, workspace_bytes_,
+        Check(LaunchFusedSample(params, slot_rank.workspace, workspace_bytes_,
                                 slot_rank.stream),
               "LaunchFusedSample"));
     if (r > 0) {
@@ -525,11 +527,11 @@ void CudaEngine::Release() {
         cudaEventDestroy(slot_rank.stage1_done);
       }
       if (slot_rank.device_input != nullptr) cudaFree(slot_rank.device_input);
+      if (slot_rank.workspace != nullptr) cudaFree(slot_rank.workspace);
     }
     if (!ranks_.empty() && cudaSetDevice(ranks_[0].device) == cudaSuccess) {
       if (slot.stage2_done != nullptr) cudaEventDestroy(slot.stage2_done);
       if (slot.candidates != nullptr) cudaFree(slot.candidates);
-      if (slot.workspace != nullptr) cudaFree(slot.workspace);
       if (slot.device_tokens != nullptr) cudaFree(slot.device_tokens);
     }
     if (slot.host_input != nullptr) cudaFreeHost(slot.host_input);

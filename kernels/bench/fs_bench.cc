@@ -331,6 +331,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       params.steps = steps;
       params.candidates = in_kernel ? nullptr : candidates;
       params.token_ids = in_kernel ? tokens : nullptr;
+      // The tensor-parallel layout prunes against the workspace too.
+      params.floor_in_workspace = !in_kernel;
       params.kernel = kernel;
       params.block_n = block_n;
       params.w_l2_hint = hint;

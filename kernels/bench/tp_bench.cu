@@ -355,6 +355,7 @@ int Main(int argc, char** argv) {
   full.workspace_bytes = FusedSampleWorkspaceSize(kMaxFusedBatch, V, D);
   if (full.workspace_bytes > 0) {
     BENCH_CHECK_CUDA(cudaMalloc(&full.workspace, full.workspace_bytes));
+    BENCH_CHECK_CUDA(cudaMemset(full.workspace, 0, full.workspace_bytes));
   }
   Candidate* tp1_candidates = nullptr;
   BENCH_CHECK_CUDA(
@@ -386,6 +387,8 @@ int Main(int argc, char** argv) {
     if (shard[r].workspace_bytes > 0) {
       BENCH_CHECK_CUDA(
           cudaMalloc(&shard[r].workspace, shard[r].workspace_bytes));
+      BENCH_CHECK_CUDA(
+          cudaMemset(shard[r].workspace, 0, shard[r].workspace_bytes));
     }
     BENCH_CHECK_CUDA(cudaDeviceSynchronize());
   }

@@ -155,6 +155,8 @@ void AllocRank(const Problem& problem, int64_t offset, int64_t rows,
       rb->tokens.Allocate(device, sizeof(int32_t) * max_batch * max_samples));
   rb->workspace_bytes = FusedSampleWorkspaceSize(max_batch, rows, D);
   ASSERT_CUDA(rb->workspace.Allocate(device, rb->workspace_bytes));
+  // Zeroed once; every launch leaves it zeroed (fused_sampler.h).
+  ASSERT_CUDA(cudaMemset(rb->workspace.get<void>(), 0, rb->workspace_bytes));
   ASSERT_CUDA(cudaStreamCreateWithFlags(&rb->stream, cudaStreamNonBlocking));
 }
 
