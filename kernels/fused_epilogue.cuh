@@ -302,6 +302,19 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
   // Rows as arithmetic, not an array: a run-time pick into an array of
   // rows put it in local memory.
   const auto row = [row0, run_stride](int f) { return row0 + f * run_stride; };
+  // Rows at or past the shard's end are TMA's zero padding. Counted once in
+  // 32 bits from row0: a 64-bit compare per token cost ~50 instructions per
+  // call (profile of attempt 10b).
+  const int64_t rows_after_row0 = args.vocab_rows - row0;
+  const int valid_rows =
+      rows_after_row0 <= 0
+          ? 0
+          : static_cast<int>(rows_after_row0 < kRuns * run_stride
+                                 ? rows_after_row0
+                                 : kRuns * run_stride);
+  const auto valid = [run_stride, valid_rows](int f, int q) {
+    return f * run_stride + q < valid_rows;
+  };
   const int lane = threadIdx.x & 31;
   const int b = batch_base + col;
   const bool in_batch = b < args.batch;
@@ -315,7 +328,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
       const float values[4] = {run.x, run.y, run.z, run.w};
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        if (row(f) + q < args.vocab_rows) out[row(f) + q] = values[q];
+        if (valid(f, q)) out[row(f) + q] = values[q];
       }
     }
   }
@@ -360,7 +373,6 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
         if (o != 0) {
           hi = NoiseBits4(seed, step, static_cast<uint32_t>(sample), group + 1);
         }
-        const int64_t rows_left = args.vocab_rows - row(f);
         const float4 run = logits.Run(f);
         const float values[4] = {run.x, run.y, run.z, run.w};
 #pragma unroll
@@ -375,7 +387,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
           if constexpr (decltype(with_lower)::value) {
             float lower;
             WordBounds(scaled, word, &lower, &upper[f][q]);
-            if (q < rows_left) threshold = fmaxf(threshold, lower);
+            if (valid(f, q)) threshold = fmaxf(threshold, lower);
           } else {
             upper[f][q] = WordUpperBound(scaled, word);
           }
@@ -404,7 +416,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
     for (int f = 0; f < kRuns; ++f) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        if (row(f) + q < args.vocab_rows && upper[f][q] >= threshold) {
+        if (valid(f, q) && upper[f][q] >= threshold) {
           survivors |= 1u << (4 * f + q);
         }
       }
@@ -444,7 +456,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int32_t id = static_cast<int32_t>(args.vocab_offset + row(f) + q);
-        if (row(f) + q < args.vocab_rows &&
+        if (valid(f, q) &&
             CandidateBetter(values[q], id, best_score, best_id)) {
           best_score = values[q];
           best_id = id;

@@ -106,7 +106,11 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t full_bar_base = ptx::SmemAddr(full_bar);
   const uint32_t empty_bar_base = ptx::SmemAddr(empty_bar);
 
-  const int warpgroup = threadIdx.x / 128;
+  // Broadcast from lane 0 so that the compiler knows these are warp-uniform
+  // (CUTLASS's canonical_warp_group_idx): everything derived from them --
+  // item, ring stage, descriptors -- then lives in uniform registers instead
+  // of being moved there before every wgmma.
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const int num_kb = args.hidden_size / kBlockK;
   // Stages per item; the dispatcher only picks kHalves = 2 when D is a
   // multiple of 128, so every stage is full (no data-dependent branch
@@ -167,7 +171,7 @@ __global__ void __launch_bounds__(384, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int consumer = warpgroup - 1;
   const int thread = threadIdx.x % 128;
-  const int warp = thread / 32;
+  const int warp = __shfl_sync(0xffffffffu, thread / 32, 0);
   const int lane = thread % 32;
   auto& epilogue = *reinterpret_cast<typename Config::Epilogue*>(
       smem + Config::kPipelineBytes + consumer * Config::kEpilogueBytes);
