@@ -1,9 +1,10 @@
 // CUDA engine: weights uploaded once per device (each rank its shard), every
 // buffer allocated at Create, and per batch: one H2D copy per rank of the
 // pinned [row params | hidden states] staging, stage 1 on every rank (rank
-// r's kernel stores its candidates through a peer pointer into rank 0's
-// buffer at its tile offset), events order rank r's kernel before rank 0's
-// stage 2, then one D2H of the token ids.
+// r's kernel stores its candidates into rank 0's buffer at its tile offset
+// through the slot's TpExchange: NCCL device-API LSA pointers, or CUDA peer
+// pointers), the exchange's barrier (or events) orders every rank's stores
+// before rank 0's stage 2, then one D2H of the token ids.
 #include "service/cuda_engine.h"
 
 #include <cuda_runtime.h>
@@ -22,6 +23,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/fused_sampler.h"
+#include "kernels/tp_exchange.h"
+#include "kernels/tp_layout.h"
 #include "service/cuda_status.h"
 #include "service/status_macros.h"
 #include "service/status_util.h"
@@ -41,6 +44,16 @@ size_t AlignUp(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
+std::string TransportDescription(const TpExchange& exchange,
+                                 const std::string& fallback_reason) {
+  std::string text = TpTransportName(exchange.options().transport);
+  if (!fallback_reason.empty()) {
+    absl::StrAppend(&text, " (NCCL device API unavailable: ", fallback_reason,
+                    ")");
+  }
+  return text;
+}
+
 struct Rank {
   int device = 0;
   int64_t begin = 0;  // global token id of the shard's first row
@@ -52,8 +65,7 @@ struct Rank {
 
 struct SlotRank {
   cudaStream_t stream = nullptr;
-  cudaEvent_t stage1_done = nullptr;  // rank r > 0: candidates written
-  void* device_input = nullptr;       // [row params | hidden] on the device
+  void* device_input = nullptr;  // [row params | hidden] on the device
   // Zeroed once; every launch leaves it zeroed (fused_sampler.h). One GPU:
   // the in-kernel stage 2; tensor parallel: the pruning floor.
   void* workspace = nullptr;
@@ -62,10 +74,11 @@ struct SlotRank {
 struct Slot {
   void* host_input = nullptr;  // pinned [row params | hidden]
   std::vector<SlotRank> ranks;
-  cudaEvent_t stage2_done = nullptr;  // rank 0: candidates consumed
-  Candidate* candidates = nullptr;    // rank 0: all ranks' tiles
-  int32_t* device_tokens = nullptr;   // rank 0: [rows][n]
-  int32_t* host_tokens = nullptr;     // pinned
+  // Tensor parallel: this slot's candidate exchange (its own double-buffered
+  // candidate buffer on rank 0 and barrier), so that slots run independently.
+  std::unique_ptr<TpExchange> exchange;
+  int32_t* device_tokens = nullptr;  // rank 0: [rows][n]
+  int32_t* host_tokens = nullptr;    // pinned
 };
 
 class CudaEngine final : public Engine {
@@ -98,6 +111,9 @@ class CudaEngine final : public Engine {
 
   absl::Status Check(cudaError_t error, const char* what);
   absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples);
+  // Tensor parallel: one TpExchange per slot on the configured transport.
+  absl::Status CreateExchanges(int64_t vocab);
+  absl::Status CreateExchangesOn(TpTransport transport, const TpLayout& layout);
   void Release();
 
   std::shared_ptr<const Weights> weights_;
@@ -113,6 +129,10 @@ class CudaEngine final : public Engine {
   int64_t capacity_pairs_ = 0;
   size_t workspace_bytes_ = 0;
   std::atomic<bool> broken_{false};
+  // NCCL communicators of the device-API transport; outlive the exchanges.
+  std::unique_ptr<TpComms> tp_comms_;
+  // Why kAuto fell back to CUDA peer access (empty otherwise).
+  std::string tp_fallback_reason_;
 };
 
 absl::Status CudaEngine::Check(cudaError_t error, const char* what) {
@@ -307,9 +327,6 @@ absl::Status CudaEngine::Init() {
       FS_RETURN_IF_ERROR(Check(
           cudaStreamCreateWithFlags(&slot_rank.stream, cudaStreamNonBlocking),
           "cudaStreamCreate"));
-      FS_RETURN_IF_ERROR(Check(cudaEventCreateWithFlags(&slot_rank.stage1_done,
-                                                        cudaEventDisableTiming),
-                               "cudaEventCreate"));
       FS_RETURN_IF_ERROR(
           Check(cudaMalloc(&slot_rank.device_input, input_bytes_),
                 "cudaMalloc(input)"));
@@ -321,17 +338,16 @@ absl::Status CudaEngine::Init() {
                 "cudaMemset(workspace)"));
     }
     FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-    FS_RETURN_IF_ERROR(Check(
-        cudaEventCreateWithFlags(&slot.stage2_done, cudaEventDisableTiming),
-        "cudaEventCreate"));
-    FS_RETURN_IF_ERROR(
-        Check(cudaMalloc(reinterpret_cast<void**>(&slot.candidates),
-                         sizeof(Candidate) * total_tiles_ * capacity_pairs_),
-              "cudaMalloc(candidates)"));
     FS_RETURN_IF_ERROR(
         Check(cudaMalloc(reinterpret_cast<void**>(&slot.device_tokens),
                          sizeof(int32_t) * max_tokens),
               "cudaMalloc(tokens)"));
+  }
+
+  if (num_ranks > 1) {
+    FS_RETURN_IF_ERROR(CreateExchanges(vocab));
+    info_.tp_transport =
+        TransportDescription(*slots_[0].exchange, tp_fallback_reason_);
   }
 
   info_.backend = "cuda";
@@ -352,22 +368,79 @@ absl::Status CudaEngine::Init() {
   return absl::OkStatus();
 }
 
+absl::Status CudaEngine::CreateExchangesOn(TpTransport transport,
+                                           const TpLayout& layout) {
+  std::vector<int> devices;
+  for (const Rank& rank : ranks_) devices.push_back(rank.device);
+  if (transport == TpTransport::kNcclDevice && tp_comms_ == nullptr) {
+    // Never NVLink multicast (DESIGN.md), also inside NCCL.
+    DisableNvlinkMulticastEnv();
+    const TpStatus status = TpComms::Create(devices, &tp_comms_);
+    if (!status.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("NCCL communicators: ", status.message));
+    }
+  }
+  TpExchangeOptions options;
+  options.transport = transport;
+  options.max_batch = options_.max_batch_rows;
+  // Chunks hold at most capacity_pairs_ (row, sample) pairs.
+  options.max_samples = kSamplesPerLaunchAtFullBatch;
+  for (Slot& slot : slots_) {
+    const TpStatus status = TpExchange::Create(devices, tp_comms_.get(), layout,
+                                               options, &slot.exchange);
+    if (!status.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          TpTransportName(transport), " exchange: ", status.message));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::CreateExchanges(int64_t vocab) {
+  TpLayout layout;
+  layout.vocab_size = vocab;
+  layout.tile_rows = FusedSampleTileRows();
+  for (const Rank& rank : ranks_) {
+    TpShard shard;
+    shard.vocab_offset = rank.begin;
+    shard.vocab_rows = rank.rows;
+    shard.tile_offset = rank.tile_offset;
+    shard.num_tiles = rank.tiles;
+    layout.shards.push_back(shard);
+  }
+  layout.total_tiles = total_tiles_;
+  std::string error;
+  if (!ValidateTpLayout(layout, &error)) {
+    return absl::InternalError(absl::StrCat("tensor-parallel layout: ", error));
+  }
+  if (options_.tp_transport == CudaTpTransport::kCudaPeer) {
+    return CreateExchangesOn(TpTransport::kCudaPeer, layout);
+  }
+  absl::Status status = CreateExchangesOn(TpTransport::kNcclDevice, layout);
+  if (status.ok() || options_.tp_transport == CudaTpTransport::kNcclDevice) {
+    return status;
+  }
+  // kAuto: the peer transport serves where the device API cannot be set up
+  // (e.g. an NCCL older than the headers, or no symmetric windows).
+  for (Slot& slot : slots_) slot.exchange.reset();
+  tp_comms_.reset();
+  tp_fallback_reason_ = std::string(status.message());
+  return CreateExchangesOn(TpTransport::kCudaPeer, layout);
+}
+
 absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
                                   int num_samples) {
-  const int64_t pairs = static_cast<int64_t>(rows) * num_samples;
-  for (size_t r = 0; r < ranks_.size(); ++r) {
+  const size_t num_ranks = ranks_.size();
+  std::vector<FusedSampleParams> all_params(num_ranks);
+  std::vector<void*> workspaces(num_ranks);
+  std::vector<size_t> workspace_bytes(num_ranks, workspace_bytes_);
+  std::vector<cudaStream_t> streams(num_ranks);
+  for (size_t r = 0; r < num_ranks; ++r) {
     const Rank& rank = ranks_[r];
     SlotRank& slot_rank = slot.ranks[r];
-    FS_RETURN_IF_ERROR(Check(cudaSetDevice(rank.device), "cudaSetDevice"));
-    if (first_row > 0) {
-      // Rank 0's stage 2 of the previous chunk must have read the
-      // candidates this chunk overwrites.
-      FS_RETURN_IF_ERROR(
-          Check(cudaStreamWaitEvent(slot_rank.stream, slot.stage2_done, 0),
-                "cudaStreamWaitEvent"));
-    }
     char* input = static_cast<char*>(slot_rank.device_input);
-    FusedSampleParams params;
+    FusedSampleParams& params = all_params[r];
     params.weights = rank.weights;
     params.hidden =
         input + params_bytes_ +
@@ -383,41 +456,27 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
         reinterpret_cast<const uint64_t*>(input + seeds_offset()) + first_row;
     params.steps =
         reinterpret_cast<const uint64_t*>(input + steps_offset()) + first_row;
-    int32_t* tokens =
-        slot.device_tokens + static_cast<int64_t>(first_row) * num_samples;
-    if (ranks_.size() == 1) {
-      // One GPU: stage 2 runs inside the stage-1 kernel (no second launch).
-      params.token_ids = tokens;
-    } else {
-      params.candidates = slot.candidates + rank.tile_offset * pairs;
-      params.floor_in_workspace = true;
-    }
-    FS_RETURN_IF_ERROR(
-        Check(LaunchFusedSample(params, slot_rank.workspace, workspace_bytes_,
-                                slot_rank.stream),
-              "LaunchFusedSample"));
-    if (r > 0) {
-      FS_RETURN_IF_ERROR(
-          Check(cudaEventRecord(slot_rank.stage1_done, slot_rank.stream),
-                "cudaEventRecord"));
-    }
+    workspaces[r] = slot_rank.workspace;
+    streams[r] = slot_rank.stream;
   }
-  SlotRank& root = slot.ranks[0];
+  int32_t* tokens =
+      slot.device_tokens + static_cast<int64_t>(first_row) * num_samples;
+  if (num_ranks == 1) {
+    // One GPU: stage 2 runs inside the stage-1 kernel (no second launch).
+    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+    all_params[0].token_ids = tokens;
+    return Check(LaunchFusedSample(all_params[0], workspaces[0],
+                                   workspace_bytes_, streams[0]),
+                 "LaunchFusedSample");
+  }
+  // Every rank's stage 1 streams its tiles' candidates into rank 0's buffer
+  // (pruning against its own best so far), the exchange's barrier (or
+  // events) orders them before stage 2 on rank 0. The exchange is
+  // double-buffered, so the next chunk may start before this one's stage 2.
+  const cudaError_t error = slot.exchange->Step(
+      all_params, workspaces, workspace_bytes, streams, tokens, nullptr);
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-  if (ranks_.size() == 1) return absl::OkStatus();
-  for (size_t r = 1; r < ranks_.size(); ++r) {
-    FS_RETURN_IF_ERROR(
-        Check(cudaStreamWaitEvent(root.stream, slot.ranks[r].stage1_done, 0),
-              "cudaStreamWaitEvent"));
-  }
-  FS_RETURN_IF_ERROR(Check(
-      LaunchReduceCandidates(
-          slot.candidates, total_tiles_, num_samples, rows,
-          slot.device_tokens + static_cast<int64_t>(first_row) * num_samples,
-          nullptr, root.stream),
-      "LaunchReduceCandidates"));
-  return Check(cudaEventRecord(slot.stage2_done, root.stream),
-               "cudaEventRecord");
+  return Check(error, "TpExchange::Step");
 }
 
 absl::Status CudaEngine::Sample(const BatchView& batch,
@@ -492,6 +551,25 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
             "cudaMemcpyAsync(tokens)"));
   FS_RETURN_IF_ERROR(
       Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
+  if (slot.exchange != nullptr) {
+    // Every rank's barrier has reported once its stream is idle.
+    for (size_t r = 1; r < ranks_.size(); ++r) {
+      FS_RETURN_IF_ERROR(
+          Check(cudaSetDevice(ranks_[r].device), "cudaSetDevice"));
+      FS_RETURN_IF_ERROR(Check(cudaStreamSynchronize(slot.ranks[r].stream),
+                               "cudaStreamSynchronize"));
+    }
+    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+    const TpBarrierResult barrier = slot.exchange->status();
+    if (barrier != TpBarrierResult::kOk) {
+      // A rank never arrived: its tokens are garbage and the exchange is
+      // unusable. Health turns NOT_SERVING (broken_), calls fail UNAVAILABLE.
+      broken_.store(true);
+      return FatalDeviceError(absl::StrCat("tensor-parallel barrier ",
+                                           TpBarrierResultName(barrier),
+                                           ": a GPU stopped answering"));
+    }
+  }
 
   results->resize(batch.rows);
   for (int i = 0; i < batch.rows; ++i) {
@@ -514,7 +592,19 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
 }
 
 void CudaEngine::Release() {
-  // Order: finish every stream, then free device memory, then host memory.
+  // Order: finish every stream, drop the exchanges (they free their buffers
+  // and barriers) and then the communicators, then free device memory, then
+  // host memory.
+  for (Slot& slot : slots_) {
+    for (size_t r = 0; r < slot.ranks.size(); ++r) {
+      if (slot.ranks[r].stream != nullptr &&
+          cudaSetDevice(ranks_[r].device) == cudaSuccess) {
+        cudaStreamSynchronize(slot.ranks[r].stream);
+      }
+    }
+  }
+  for (Slot& slot : slots_) slot.exchange.reset();
+  tp_comms_.reset();
   for (Slot& slot : slots_) {
     for (size_t r = 0; r < slot.ranks.size(); ++r) {
       SlotRank& slot_rank = slot.ranks[r];
@@ -523,15 +613,10 @@ void CudaEngine::Release() {
         cudaStreamSynchronize(slot_rank.stream);
         cudaStreamDestroy(slot_rank.stream);
       }
-      if (slot_rank.stage1_done != nullptr) {
-        cudaEventDestroy(slot_rank.stage1_done);
-      }
       if (slot_rank.device_input != nullptr) cudaFree(slot_rank.device_input);
       if (slot_rank.workspace != nullptr) cudaFree(slot_rank.workspace);
     }
     if (!ranks_.empty() && cudaSetDevice(ranks_[0].device) == cudaSuccess) {
-      if (slot.stage2_done != nullptr) cudaEventDestroy(slot.stage2_done);
-      if (slot.candidates != nullptr) cudaFree(slot.candidates);
       if (slot.device_tokens != nullptr) cudaFree(slot.device_tokens);
     }
     if (slot.host_input != nullptr) cudaFreeHost(slot.host_input);

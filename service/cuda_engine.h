@@ -1,8 +1,9 @@
-// The CUDA backend: W sharded by vocabulary rows over one or more GPUs
-// (tensor parallel through plain CUDA peer access), the fused stage-1 kernel
-// on every rank writing its candidates straight into the reducing rank's
-// buffer, stage 2 on rank 0, token ids back to the host. Slots have their
-// own pinned staging and streams so that two batches overlap.
+// The CUDA backend: W sharded by vocabulary rows over one or more GPUs, the
+// fused stage-1 kernel on every rank writing its candidates straight into
+// the reducing rank's buffer through kernels/tp_exchange.h (NCCL's device
+// API, or CUDA peer access), stage 2 on rank 0, token ids back to the host.
+// One GPU reduces inside the stage-1 kernel. Slots have their own pinned
+// staging, streams and exchange so that two batches overlap.
 #ifndef FLASHSAMPLER_SERVICE_CUDA_ENGINE_H_
 #define FLASHSAMPLER_SERVICE_CUDA_ENGINE_H_
 
@@ -15,6 +16,13 @@
 
 namespace flashsampler {
 
+// How tensor-parallel ranks hand their candidates to rank 0.
+enum class CudaTpTransport {
+  kAuto,        // NCCL's device API; CUDA peer access if it cannot be set up
+  kNcclDevice,  // NCCL's device API, or fail
+  kCudaPeer,    // CUDA peer access
+};
+
 struct CudaEngineOptions {
   // CUDA ordinals, one per tensor-parallel rank (rank 0 reduces); empty =
   // every visible device.
@@ -23,6 +31,7 @@ struct CudaEngineOptions {
   int max_batch_rows = 256;
   // Batches in flight at once, each with its own staging and streams.
   int slots = 2;
+  CudaTpTransport tp_transport = CudaTpTransport::kAuto;
 };
 
 // Number of usable CUDA devices; 0 when there is no GPU or no driver. Never

@@ -30,6 +30,9 @@ struct EngineInfo {
   DType input_dtype = DType::kFp32;
   int max_batch_rows = 0;
   std::vector<ShardInfo> shards;  // one per tensor-parallel rank
+  // Tensor parallel: how ranks hand candidates to rank 0 ("nccl_device" or
+  // "cuda_peer", with the reason when "auto" fell back); empty on one rank.
+  std::string tp_transport;
   // Sampling controls implemented exactly (names from AllSamplingControls()).
   std::vector<std::string> supported_controls;
 };

@@ -71,6 +71,9 @@ ABSL_FLAG(int, tp, kDefaults.tp,
           "CUDA backend: GPUs to split the vocabulary over; 0 = all");
 ABSL_FLAG(int, cuda_slots, kDefaults.cuda_slots,
           "CUDA backend batches in flight");
+ABSL_FLAG(std::string, tp_transport, kDefaults.tp_transport,
+          "tensor parallel (--tp > 1): auto (NCCL device API, else CUDA peer "
+          "access), nccl, or peer");
 ABSL_FLAG(int, warmup_rows, kDefaults.warmup_rows,
           "Rows of the warm-up batch run before SERVING");
 
@@ -103,6 +106,7 @@ flashsampler::ServerOptions OptionsFromFlags() {
   o.cpu_slots = absl::GetFlag(FLAGS_cpu_slots);
   o.tp = absl::GetFlag(FLAGS_tp);
   o.cuda_slots = absl::GetFlag(FLAGS_cuda_slots);
+  o.tp_transport = absl::GetFlag(FLAGS_tp_transport);
   o.warmup_rows = absl::GetFlag(FLAGS_warmup_rows);
   return o;
 }
@@ -137,10 +141,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   const flashsampler::EngineInfo& info = (*server)->engine_info();
-  Log(absl::StrCat("backend ", info.backend, ", V=", info.vocab_size,
-                   ", D=", info.hidden_size, ", weights ",
-                   flashsampler::DTypeName(info.weight_dtype), ", tp ",
-                   info.shards.size()));
+  Log(absl::StrCat(
+      "backend ", info.backend, ", V=", info.vocab_size,
+      ", D=", info.hidden_size, ", weights ",
+      flashsampler::DTypeName(info.weight_dtype), ", tp ", info.shards.size(),
+      info.tp_transport.empty() ? ""
+                                : absl::StrCat(" over ", info.tp_transport)));
   if (absl::Status s = (*server)->Start(); !s.ok()) {
     Log(absl::StrCat("startup failed: ", s.ToString()));
     return 1;

@@ -114,6 +114,17 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(
     for (int d = 0; d < tp; ++d) cuda.devices.push_back(d);
     cuda.max_batch_rows = options.batcher.max_batch_rows;
     cuda.slots = options.cuda_slots;
+    if (options.tp_transport == "auto") {
+      cuda.tp_transport = CudaTpTransport::kAuto;
+    } else if (options.tp_transport == "nccl") {
+      cuda.tp_transport = CudaTpTransport::kNcclDevice;
+    } else if (options.tp_transport == "peer") {
+      cuda.tp_transport = CudaTpTransport::kCudaPeer;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tp_transport: must be auto, nccl or peer, got \"",
+                       options.tp_transport, "\""));
+    }
     FS_ASSIGN_OR_RETURN(auto engine,
                         CreateCudaEngine(std::move(weights), cuda));
     return std::unique_ptr<Engine>(std::move(engine));

@@ -82,6 +82,10 @@ struct ServerOptions {
   int tp = 0;
   // CUDA backend: batches in flight (two lets copies overlap compute).
   int cuda_slots = 2;
+  // CUDA backend, tp > 1: how ranks hand their candidates to rank 0. "auto":
+  // NCCL's device API, or CUDA peer access when that cannot be set up;
+  // "nccl": the device API or fail; "peer": CUDA peer access.
+  std::string tp_transport = "auto";
   // Rows of the warm-up batch run on every slot before health says SERVING.
   int warmup_rows = 8;
 };
