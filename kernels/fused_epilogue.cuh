@@ -5,11 +5,14 @@
 // Both tensor-core paths leave a warp holding fragments in the same layout:
 // lane (g = lane / 4, c = lane % 4) has vocab rows g and g + 8, batch columns
 // 2c and 2c + 1. The noise of four consecutive global tokens 4t..4t+3 comes
-// from one Philox call (NoiseBits4), so a 640-byte per-warp staging buffer
-// transposes each fragment to "4 consecutive vocab rows x 1 column" per lane
-// (4 shared stores + 1 vector load per 4 logits, against ~100 instructions
-// of noise per logit). Four lanes then share a column; two xor-shuffles and
-// one shared 64-bit atomicMax per (warp, column) merge them across the CTA.
+// from one Philox call (NoiseBits4), so a per-warp staging buffer transposes
+// the fragments into runs of 4 consecutive vocab rows of one column per
+// lane: the mma.sync path stages one fragment at a time (8 rows, 2 runs per
+// lane, 4 lanes per column: ScoreFragments); the wgmma path stages four
+// (16 rows, 4 runs per lane, 2 lanes per column: ScoreFragmentQuad), which
+// gives its single epilogue warp per scheduler 4 independent Philox chains.
+// ScoreRuns scores a lane's runs; xor-shuffles and one shared 64-bit
+// atomicMax per (warp, column) merge a column across the CTA.
 //
 // The noise is pruned exactly: cheap bounds on every token's score (from
 // the Philox word alone, then from the fast logarithm) discard the tokens
@@ -17,7 +20,7 @@
 // published in this launch, and only the rest get the exact noise of
 // kernels/philox.h. The winner, ties included, is never discarded, so the
 // result is the unpruned result bit for bit (docs/perf/
-// fused_kernel_attempts.md, attempts 4-6).
+// fused_kernel_attempts.md, attempts 4-6 and 10).
 #ifndef FLASHSAMPLER_KERNELS_FUSED_EPILOGUE_CUH_
 #define FLASHSAMPLER_KERNELS_FUSED_EPILOGUE_CUH_
 
