@@ -100,6 +100,17 @@ class CudaEngine final : public Engine {
   absl::Status Sample(const BatchView& batch,
                       std::vector<RowResult>* results) override;
 
+  bool AbortBarriers() {
+    bool any = false;
+    for (Slot& slot : slots_) {
+      if (slot.exchange != nullptr) {
+        slot.exchange->Abort();
+        any = true;
+      }
+    }
+    return any;
+  }
+
  private:
   // Byte offsets of the row parameters at the front of the staging buffer.
   size_t seeds_offset() const {
@@ -640,6 +651,11 @@ int CudaDeviceCount() {
     return 0;
   }
   return count;
+}
+
+bool AbortCudaEngineBarriersForTest(Engine* engine) {
+  auto* cuda = dynamic_cast<CudaEngine*>(engine);
+  return cuda != nullptr && cuda->AbortBarriers();
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(

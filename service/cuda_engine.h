@@ -46,6 +46,12 @@ int CudaDeviceCount();
 absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(
     std::shared_ptr<const Weights> weights, const CudaEngineOptions& options);
 
+// For tests of the failure path: makes every tensor-parallel barrier of
+// `engine` (made by CreateCudaEngine) return at once as aborted, as a rank
+// that stopped answering would after the barrier timeout. Returns false for
+// an engine with one GPU (no barrier) or not made by CreateCudaEngine.
+bool AbortCudaEngineBarriersForTest(Engine* engine);
+
 }  // namespace flashsampler
 
 #endif  // FLASHSAMPLER_SERVICE_CUDA_ENGINE_H_

@@ -3,6 +3,7 @@
 // for many samples, refusals, and tensor parallel over two GPUs with an
 // uneven split giving the same tokens as one GPU (DESIGN.md rule 2). Every
 // test skips loudly without (enough) GPUs.
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -17,6 +18,7 @@
 #include "service/dtype_convert.h"
 #include "service/engine.h"
 #include "service/sampling_params.h"
+#include "service/status_util.h"
 #include "service/weights.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -334,6 +336,45 @@ TEST(CudaEngineGpuTest, TwoDevicesWithAnUnevenSplitGiveTheSameTokensAsOne) {
     rows_checked += 128;
   }
   EXPECT_GE(rows_checked, 10000);
+}
+
+// A rank that stops answering (here: the barriers aborted, as the timeout
+// would) must not hang the engine: the call fails UNAVAILABLE as a fatal
+// device error (health turns NOT_SERVING on it), and so does every later call.
+TEST(CudaEngineGpuTest, AFailedTensorParallelBarrierFailsFastAndForGood) {
+  FS_SKIP_WITHOUT_GPUS(2);
+  constexpr int kHidden = 256;
+  WeightsOptions source;
+  source.source = "synthetic:vocab=1001,hidden=256,seed=7,dtype=bf16";
+  auto loaded = Weights::Load(source);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  std::shared_ptr<const Weights> weights(std::move(*loaded));
+  CudaEngineOptions two;
+  two.devices = {0, 1};
+  two.max_batch_rows = 16;
+  // Abort() acts on the device-API barrier (the peer transport has none).
+  two.tp_transport = CudaTpTransport::kNcclDevice;
+  auto engine = CreateCudaEngine(weights, two);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_FALSE((*engine)->info().tp_transport.empty());
+  Batch batch = MakeBatch(16, kHidden, 900, 4);
+  Stage(**engine, 0, batch);
+  std::vector<RowResult> results;
+  ASSERT_TRUE(
+      (*engine)->Sample(BatchView{0, 16, batch.specs.data()}, &results).ok());
+
+  ASSERT_TRUE(AbortCudaEngineBarriersForTest(engine->get()));
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status failed =
+      (*engine)->Sample(BatchView{0, 16, batch.specs.data()}, &results);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kUnavailable) << failed;
+  EXPECT_TRUE(IsFatalDeviceError(failed)) << failed;
+  Stage(**engine, 1, batch);
+  absl::Status later =
+      (*engine)->Sample(BatchView{1, 16, batch.specs.data()}, &results);
+  EXPECT_EQ(later.code(), absl::StatusCode::kUnavailable) << later;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4))
+      << "the aborted barrier must not wait for its 5 s timeout";
 }
 
 }  // namespace
