@@ -349,9 +349,10 @@ struct InvarianceCase {
   const char* name;
   int64_t vocab;
   int hidden;
-  std::vector<int64_t> parts;  // ranks = parts.size(), rank r on GPU r % 2
+  std::vector<int64_t> parts;  // ranks = parts.size(), rank r on GPU r % gpus
   TpTransport transport;
   int num_samples;
+  int gpus = 2;  // GPUs the ranks spread over; the case needs that many
 };
 
 // gtest prints a parameter with PrintTo; the case name reads better than
@@ -368,10 +369,15 @@ constexpr int kInvarianceRows = 10240;
 TEST_P(TpInvarianceTest, TokensEqualTp1Exactly) {
   SKIP_WITHOUT_TWO_GPUS();
   const InvarianceCase& c = GetParam();
+  if (VisibleGpus() < c.gpus) {
+    std::fprintf(stderr, "NEEDS %d GPUs: skipping %s (%d visible)\n", c.gpus,
+                 c.name, VisibleGpus());
+    GTEST_SKIP() << "NEEDS " << c.gpus << " GPUs: skipping " << c.name;
+  }
   const Problem problem = RandomProblem(c.vocab, c.hidden, 0x7e57 + c.vocab);
   std::vector<int> devices;
   for (size_t r = 0; r < c.parts.size(); ++r) {
-    devices.push_back(static_cast<int>(r % 2));
+    devices.push_back(static_cast<int>(r % c.gpus));
   }
   Tp1Runner tp1;
   ASSERT_NO_FATAL_FAILURE(tp1.Init(problem, c.num_samples));
@@ -452,7 +458,30 @@ INSTANTIATE_TEST_SUITE_P(
                        128,
                        {1, 1, 1, 1, 1, 1, 1, 1},
                        TpTransport::kCudaPeer,
-                       1}),
+                       1},
+        // One rank per GPU through NCCL's device API on 4- and 8-GPU
+        // machines (issue 6); they skip, loudly, on fewer GPUs.
+        InvarianceCase{"Tp4Even_NcclOn4Gpus",
+                       128256,
+                       256,
+                       {1, 1, 1, 1},
+                       TpTransport::kNcclDevice,
+                       1,
+                       4},
+        InvarianceCase{"Tp4Uneven_NcclOn4Gpus",
+                       151936,
+                       128,
+                       {2, 1, 1, 1},
+                       TpTransport::kNcclDevice,
+                       2,
+                       4},
+        InvarianceCase{"Tp8Even_NcclOn8Gpus",
+                       151936,
+                       128,
+                       {1, 1, 1, 1, 1, 1, 1, 1},
+                       TpTransport::kNcclDevice,
+                       1,
+                       8}),
     [](const ::testing::TestParamInfo<InvarianceCase>& info) {
       return std::string(info.param.name);
     });
