@@ -11,6 +11,7 @@
 #   <out>/bench/            the fs_bench run that was profiled
 #
 #   scripts/device_profile.sh <outdir> [config] [batch]   (default qwen 256)
+#   FS_PROFILE_ARGS: more fs_bench flags (e.g. --multicast)
 set -uo pipefail
 out=$1
 config=${2:-qwen}
@@ -31,7 +32,8 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAS
 nvidia=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
 cublas=$(find "$nvidia" /usr/local/cuda/lib64 /usr/local/cuda/targets \
   -name 'libcublas.so.13*' 2>/dev/null | head -1)
-export LD_LIBRARY_PATH=$bundle/lib:$(dirname "${cublas:-/x/x}"):$nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+cublas_dir=$(dirname "${cublas:-/x/x}")
+export LD_LIBRARY_PATH=$bundle/lib:$cublas_dir:$nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [[ -z $ncu ]]; then
@@ -45,6 +47,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,power.limit --fo
 # timed calls of each fs_bench method after one warm-up; the three launches
 # of "fused", "fused_two_launches" and "fused_all_greedy" come in that
 # order (fs_bench --no-sweep), so the report's launch order names them.
+# shellcheck disable=SC2086  # FS_PROFILE_ARGS is a list of flags
 "$ncu" --clock-control none --cache-control all \
   -k 'regex:Fused|gemm|nvjet|Gemm' \
   --section SpeedOfLight --section ComputeWorkloadAnalysis \
@@ -53,7 +56,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,power.limit --fo
   --section SourceCounters --import-source no \
   -o "$out/profile" -f \
   "$bundle/bin/fs_bench" --out "$out/bench" --configs "$config" \
-  --batches "$batch" --iters 2 --warmup 1 --no-sweep >"$out/ncu_run.log" 2>&1
+  --batches "$batch" --iters 2 --warmup 1 --no-sweep ${FS_PROFILE_ARGS:-} \
+  >"$out/ncu_run.log" 2>&1
 echo "ncu rc=$? ($(grep -c '==PROF==' "$out/ncu_run.log") profiler lines)"
 tail -5 "$out/ncu_run.log"
 "$ncu" --import "$out/profile.ncu-rep" --page details >"$out/ncu_details.txt" 2>&1
