@@ -2,7 +2,8 @@
 // GEMM alone; + softmax + multinomial; + Gumbel-max over logits) and a
 // streaming read of W, all in one run on the same data. Median of --iters
 // calls after --warmup calls, CUDA events around each call, L2 flushed
-// (a memset of 2x the L2) before every call. Writes results_long.csv (every
+// (a memset of 2x the L2) before every call; the fused / cuBLAS-only pair
+// is timed once more interleaved, call for call. Writes results_long.csv (every
 // method and kernel variant), results.csv (one row per config and batch)
 // and meta.txt into --out.
 //
@@ -19,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/baselines.h"
@@ -126,13 +128,25 @@ bool ParseOptions(int argc, char** argv, Options* options) {
 // Times a sequence of launches with CUDA events, flushing L2 before each.
 class Timer {
  public:
+  static void Summarize(std::vector<double>* us, Stats* stats) {
+    std::sort(us->begin(), us->end());
+    const size_t n = us->size();
+    stats->median_us =
+        n % 2 == 1 ? (*us)[n / 2] : 0.5 * ((*us)[n / 2 - 1] + (*us)[n / 2]);
+    stats->p10_us = (*us)[n / 10];
+    stats->p90_us = (*us)[(n * 9) / 10 == n ? n - 1 : n * 9 / 10];
+    stats->min_us = (*us)[0];
+  }
+
   bool Init(int iters, size_t flush_bytes, cudaStream_t stream) {
     stream_ = stream;
     flush_bytes_ = flush_bytes;
     BENCH_CHECK(cudaMalloc(&flush_, flush_bytes_));
-    start_.resize(iters);
-    stop_.resize(iters);
-    for (int i = 0; i < iters; ++i) {
+    iters_ = iters;
+    // Twice as many events as calls: RunInterleaved times two methods.
+    start_.resize(2 * iters);
+    stop_.resize(2 * iters);
+    for (int i = 0; i < 2 * iters; ++i) {
       BENCH_CHECK(cudaEventCreate(&start_[i]));
       BENCH_CHECK(cudaEventCreate(&stop_[i]));
     }
@@ -145,7 +159,7 @@ class Timer {
       BENCH_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream_));
       BENCH_CHECK(launch());
     }
-    const int iters = static_cast<int>(start_.size());
+    const int iters = iters_;
     for (int i = 0; i < iters; ++i) {
       BENCH_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream_));
       BENCH_CHECK(cudaEventRecord(start_[i], stream_));
@@ -159,13 +173,45 @@ class Timer {
       BENCH_CHECK(cudaEventElapsedTime(&ms, start_[i], stop_[i]));
       us[i] = 1000.0 * ms;
     }
-    std::sort(us.begin(), us.end());
-    stats->median_us = iters % 2 == 1
-                           ? us[iters / 2]
-                           : 0.5 * (us[iters / 2 - 1] + us[iters / 2]);
-    stats->p10_us = us[iters / 10];
-    stats->p90_us = us[(iters * 9) / 10 == iters ? iters - 1 : iters * 9 / 10];
-    stats->min_us = us[0];
+    Summarize(&us, stats);
+    return true;
+  }
+
+  // Times two launches alternately, call for call (flush, a, flush, b, ...),
+  // so that both see the same drift of the GPU's clock and power state; the
+  // plain Run() times one method's calls back to back, and at B >= 128 the
+  // state (and cuBLAS's own time) moves by up to +-15% between methods.
+  bool RunInterleaved(int warmup, const std::function<cudaError_t()>& a,
+                      const std::function<cudaError_t()>& b, Stats* stats_a,
+                      Stats* stats_b) {
+    const std::function<cudaError_t()>* launches[2] = {&a, &b};
+    for (int i = 0; i < warmup; ++i) {
+      for (const auto* launch : launches) {
+        BENCH_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream_));
+        BENCH_CHECK((*launch)());
+      }
+    }
+    const int iters = iters_;
+    for (int i = 0; i < iters; ++i) {
+      for (int m = 0; m < 2; ++m) {
+        BENCH_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream_));
+        BENCH_CHECK(cudaEventRecord(start_[2 * i + m], stream_));
+        BENCH_CHECK((*launches[m])());
+        BENCH_CHECK(cudaEventRecord(stop_[2 * i + m], stream_));
+      }
+    }
+    BENCH_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<double> us[2];
+    for (int i = 0; i < iters; ++i) {
+      for (int m = 0; m < 2; ++m) {
+        float ms = 0;
+        BENCH_CHECK(
+            cudaEventElapsedTime(&ms, start_[2 * i + m], stop_[2 * i + m]));
+        us[m].push_back(1000.0 * ms);
+      }
+    }
+    Summarize(&us[0], stats_a);
+    Summarize(&us[1], stats_b);
     return true;
   }
 
@@ -173,6 +219,7 @@ class Timer {
   cudaStream_t stream_ = nullptr;
   void* flush_ = nullptr;
   size_t flush_bytes_ = 0;
+  int iters_ = 0;
   std::vector<cudaEvent_t> start_;
   std::vector<cudaEvent_t> stop_;
 };
@@ -421,27 +468,45 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         best_name = variant.name;
       }
     }
+    // The headline pair again, call for call alternately (see
+    // RunInterleaved).
+    Stats fused_alt;
+    Stats cublas_alt;
+    if (!timer.RunInterleaved(
+            options.warmup, [&] { return fused(auto_path, 0); }, cublas_only,
+            &fused_alt, &cublas_alt)) {
+      return false;
+    }
+    for (const auto& [name, stats] :
+         {std::pair<const char*, const Stats&>{"fused_interleaved", fused_alt},
+          {"cublas_only_interleaved", cublas_alt}}) {
+      std::fprintf(long_csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.2f\n",
+                   config.name.c_str(), static_cast<long long>(vocab), hidden,
+                   batch, name, stats.median_us, stats.p10_us, stats.p90_us,
+                   stats.min_us);
+    }
+    const double interleaved_ratio = fused_alt.median_us / cublas_alt.median_us;
     const double fused_us = results["fused"].median_us;
     const double cublas_us = results["cublas_only"].median_us;
     const double fused_tbs = weight_bytes / (fused_us * 1e6);
     std::fprintf(summary_csv,
                  "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.2f,%.4f,%s,%.2f,%.4f,%.3f,"
-                 "%.3f,%.4f\n",
+                 "%.3f,%.4f,%.4f\n",
                  config.name.c_str(), static_cast<long long>(vocab), hidden,
                  batch, KernelName(auto_path), fused_us, cublas_us,
                  results["cublas_softmax_multinomial"].median_us,
                  results["cublas_gumbel"].median_us, fused_us / cublas_us,
                  best_name.c_str(), best_us, best_us / cublas_us, fused_tbs,
-                 stream_tbs, fused_tbs / stream_tbs);
+                 stream_tbs, fused_tbs / stream_tbs, interleaved_ratio);
     std::printf(
         "[%s] B=%3d fused(%s) %8.1f us  cublas %8.1f  +softmax+multi %8.1f  "
         "+gumbel %8.1f  ratio %.3f  best %s %.1f (%.3f)  W %.2f TB/s = "
-        "%.1f%% of stream\n",
+        "%.1f%% of stream  interleaved ratio %.3f\n",
         config.name.c_str(), batch, KernelName(auto_path), fused_us, cublas_us,
         results["cublas_softmax_multinomial"].median_us,
         results["cublas_gumbel"].median_us, fused_us / cublas_us,
         best_name.c_str(), best_us, best_us / cublas_us, fused_tbs,
-        100.0 * fused_tbs / stream_tbs);
+        100.0 * fused_tbs / stream_tbs, interleaved_ratio);
     std::fflush(stdout);
     std::fflush(long_csv);
     std::fflush(summary_csv);
@@ -513,7 +578,8 @@ bool Main(int argc, char** argv) {
                "config,vocab,hidden,batch,fused_path,fused_us,cublas_only_us,"
                "cublas_softmax_multinomial_us,cublas_gumbel_us,"
                "fused_over_cublas,best_variant,best_us,best_over_cublas,"
-               "fused_w_tbs,stream_tbs,fused_over_stream\n");
+               "fused_w_tbs,stream_tbs,fused_over_stream,"
+               "fused_over_cublas_interleaved\n");
 
   const std::vector<ModelConfig> known = {
       {"qwen", 151936, 4096, 0.35f},   // Qwen3-8B LM head
