@@ -275,13 +275,15 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   }
   CUtensorMap map_w;
   CUtensorMap map_h;
-  // Default promotion: 128 B at block_n 16 (B <= 16, pure W streaming),
+  // Default promotion: 128 B at block_n 16 (B <= 32, pure W streaming),
   // where two H200 runs measured it 2-3% faster than 256 B
-  // (fused_wgmma_n16_normal_p128 in docs/perf/h200x2_2026-11-22*/); 256 B
-  // elsewhere.
+  // (fused_wgmma_n16_normal_p128 in docs/perf/h200x2_2026-11-22*/), and at
+  // block_n 64 (B = 33..64: fused_wgmma_n64_normal_p128 2.4-2.7% faster on
+  // both configs, docs/perf/fused_kernel_attempts.md attempt 14); 256 B at
+  // block_n 128, where neither won consistently.
   const int promotion_bytes = params.w_l2_promotion != 0 ? params.w_l2_promotion
-                              : block_n == 16            ? 128
-                                                         : 256;
+                              : block_n == 128           ? 256
+                                                         : 128;
   CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   if (promotion_bytes == 128) {
     promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;

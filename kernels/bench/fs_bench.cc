@@ -352,6 +352,17 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                FusedKernel::kWgmma, 16, hint, promotion, 16});
         }
       }
+      // The wider tiles with W's L2 promotion at 128 B and none (256 B is
+      // their default).
+      for (int block_n : {64, 128}) {
+        for (int promotion : {128, -1}) {
+          variants.push_back(
+              {std::string("fused_wgmma_n") + std::to_string(block_n) +
+                   "_normal_p" +
+                   (promotion < 0 ? "none" : std::to_string(promotion)),
+               FusedKernel::kWgmma, block_n, L2Hint::kEvictNormal, promotion});
+        }
+      }
     }
   }
 
