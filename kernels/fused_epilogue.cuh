@@ -557,23 +557,23 @@ __device__ __forceinline__ void ScoreFragmentQuad(
   __syncwarp();
 }
 
-// Moves accumulator block 0 (4 floats) to the end of the array: the
-// epilogue walks the n8 blocks with a run-time loop that always reads block
-// 0, so the ~1000-instruction scoring code is emitted once instead of once
-// per block (device run 2: 480 KB of SASS per kernel). After kCount / 4
+// Moves accumulator block 0 (an n8 block's 4 floats) to the end of the
+// array: the mma.sync epilogue walks the n8 blocks with a run-time loop that
+// always reads block 0, so the scoring code is emitted once instead of once
+// per block (device run 2: 480 KB of SASS per kernel). After kBlocks
 // rotations the array is back in its original order.
-template <int kCount>
-__device__ __forceinline__ void RotateBlocks(float (&acc)[kCount]) {
-  const float t0 = acc[0];
-  const float t1 = acc[1];
-  const float t2 = acc[2];
-  const float t3 = acc[3];
+template <int kBlocks>
+__device__ __forceinline__ void RotateBlocks(float (&acc)[kBlocks][4]) {
+  float first[4];
 #pragma unroll
-  for (int i = 0; i + 4 < kCount; ++i) acc[i] = acc[i + 4];
-  acc[kCount - 4] = t0;
-  acc[kCount - 3] = t1;
-  acc[kCount - 2] = t2;
-  acc[kCount - 1] = t3;
+  for (int e = 0; e < 4; ++e) first[e] = acc[0][e];
+#pragma unroll
+  for (int j = 0; j + 1 < kBlocks; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = acc[j + 1][e];
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[kBlocks - 1][e] = first[e];
 }
 
 // Copies accumulator blocks 2 * pair and 2 * pair + 1 (floats 8 * pair ..

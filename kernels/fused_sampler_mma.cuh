@@ -197,20 +197,9 @@ __global__ void __launch_bounds__(256, kMinBlocks)
       }
       ScoreFragments(frags, row0, warp_col0 + nj * 8, sample, sample == 0,
                      batch_base, args, staging, epilogue);
-      // Block nj + 1 moves to position 0 (see RotateBlocks).
+      // Block nj + 1 moves to position 0.
 #pragma unroll
-      for (int mi = 0; mi < kMi; ++mi) {
-        float first[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) first[e] = acc[mi][0][e];
-#pragma unroll
-        for (int j = 0; j + 1 < kNj; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mi][j][e] = acc[mi][j + 1][e];
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mi][kNj - 1][e] = first[e];
-      }
+      for (int mi = 0; mi < kMi; ++mi) RotateBlocks(acc[mi]);
     }
     __syncthreads();
     StoreCandidates(args, tile, sample, batch_base, thread, kThreads, epilogue);

@@ -46,7 +46,7 @@ constexpr int kNumBracketScales =
 // Counts, per bracket, the (uniform, word, scale) triples whose exact
 // score GumbelScore(logit, inv_temperature, GumbelFromUniform(u)) lies
 // outside it. The bounds come from the epilogue's own functions with the
-// arguments ScoreFragments passes them (scaled = __fmul_rn(logit,
+// arguments ScoreRuns passes them (scaled = __fmul_rn(logit,
 // inv_temperature), the Philox word, u = UniformFromBits(word)). Each
 // uniform is checked with the word's 9 unused low bits all 0 and all 1:
 // WordBounds reads the whole word (__clz), UniformFromBits only the top 23

@@ -9,12 +9,12 @@
 #   scripts/device_e2e.sh <outdir> [bundle_dir]
 set -uo pipefail
 out=$1
-bundle=${2:-${TMPDIR:-/tmp}/fs_device_bundle}
 root=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/device_env.sh
+source "$root/scripts/device_env.sh"
+fs_device_env "${2:-${TMPDIR:-/tmp}/fs_device_bundle}" || exit 1
+bundle=$FS_BUNDLE
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-nvidia=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-export LD_LIBRARY_PATH=$bundle/lib:$nvidia/cublas/lib:$nvidia/cuda_runtime/lib:$nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 "$bundle/bin/flashsamplerd" --backend=cuda \
   --weights=synthetic:vocab=151936,hidden=4096,seed=1 \
   --listen_address=127.0.0.1:50051 --metrics_port=0 >"$out/daemon.log" 2>&1 &

@@ -17,23 +17,11 @@ out=$1
 config=${2:-qwen}
 batch=${3:-256}
 root=$(cd "$(dirname "$0")/.." && pwd)
-bundle=${FS_BUNDLE_DIR:-$root/.device_bundle}
-if [[ -f $bundle/bundle.tar.xz ]]; then
-  unpacked=${TMPDIR:-/tmp}/fs_device_bundle
-  if [[ ! -x $unpacked/bin/fs_bench ]]; then
-    rm -rf "$unpacked"
-    mkdir -p "$unpacked"
-    tar -C "$unpacked" -xJf "$bundle/bundle.tar.xz" || exit 1
-  fi
-  bundle=$unpacked
-fi
+# shellcheck source=scripts/device_env.sh
+source "$root/scripts/device_env.sh"
+fs_device_env "${FS_BUNDLE_DIR:-$root/.device_bundle}" || exit 1
+bundle=$FS_BUNDLE
 mkdir -p "$out/bench"
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-nvidia=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-cublas=$(find "$nvidia" /usr/local/cuda/lib64 /usr/local/cuda/targets \
-  -name 'libcublas.so.13*' 2>/dev/null | head -1)
-cublas_dir=$(dirname "${cublas:-/x/x}")
-export LD_LIBRARY_PATH=$bundle/lib:$cublas_dir:$nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [[ -z $ncu ]]; then

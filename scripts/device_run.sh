@@ -14,26 +14,14 @@ fi
 out=$1
 mode=${2:-all}
 root=$(cd "$(dirname "$0")/.." && pwd)
-bundle=${FS_BUNDLE_DIR:-$root/.device_bundle}
-if [[ -f $bundle/bundle.tar.xz ]]; then
-  unpacked=${TMPDIR:-/tmp}/fs_device_bundle
-  rm -rf "$unpacked"
-  mkdir -p "$unpacked"
-  tar -C "$unpacked" -xJf "$bundle/bundle.tar.xz" || exit 1
-  bundle=$unpacked
-fi
+# shellcheck source=scripts/device_env.sh
+source "$root/scripts/device_env.sh"
+fs_device_env "${FS_BUNDLE_DIR:-$root/.device_bundle}" || exit 1
+bundle=$FS_BUNDLE
 mkdir -p "$out"
 log=$out/run.log
 : >"$log"
 
-# Never NVLink multicast (DESIGN.md): also for every child process.
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-nvidia=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-nccl_dir=$nvidia/nccl/lib  # NCCL 2.28.9, matching the build's headers
-cublas=$(find "$nvidia" /usr/local/cuda/lib64 /usr/local/cuda/targets \
-  -name 'libcublas.so.13*' 2>/dev/null | head -1)
-cublas_dir=$(dirname "${cublas:-/nonexistent/x}")
-export LD_LIBRARY_PATH=$bundle/lib:$cublas_dir:$nccl_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 say() { echo "$@" | tee -a "$log"; }
 summary=()
@@ -41,7 +29,7 @@ summary=()
 say "== $(date -u +%Y-%m-%dT%H:%M:%SZ) device_run.sh $mode"
 nvidia-smi -L 2>&1 | tee -a "$log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>&1 | tee -a "$log"
-say "cuBLAS from $cublas_dir; NCCL from $nccl_dir"
+say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 if command -v cuobjdump >/dev/null; then
   say "SASS of fs_bench: $(cuobjdump --dump-sass "$bundle/bin/fs_bench" 2>/dev/null | grep -c HGMMA) HGMMA, $(cuobjdump --dump-sass "$bundle/bin/fs_bench" 2>/dev/null | grep -c HMMA) HMMA instructions"
 fi

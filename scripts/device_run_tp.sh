@@ -4,36 +4,23 @@
 # an output folder, and prints a summary table.
 #
 # usage: scripts/device_run_tp.sh [BUNDLE_DIR] [OUT_DIR]
-#   BUNDLE_DIR  folder with the binaries (anywhere below it, e.g. bin/) and
-#               the non-system shared libraries they need (lib/); default
-#               .device_bundle
+#   BUNDLE_DIR  .device_bundle (the archive, unpacked by scripts/device_env.sh)
+#               or an unpacked bundle (bin/, lib/); default .device_bundle
 #   OUT_DIR     where tp_device.log, tp_gpu_test.log and tp_bench.csv go;
 #               default $OUT, else ./tp_out
 # Environment knobs: TP_TEST_TIMEOUT (s, default 360), TP_BENCH_TIMEOUT (s,
 # default 200), TP_BENCH_ARGS (extra fs_tp_bench flags), TP_GTEST_FILTER.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
-bundle=${1:-.device_bundle}
 out=${2:-${OUT:-./tp_out}}
+# shellcheck source=scripts/device_env.sh
+source scripts/device_env.sh
+fs_device_env "${1:-.device_bundle}" || exit 1
+bundle=$FS_BUNDLE
 mkdir -p "$out"
 log="$out/tp_device.log"
 : >"$log"
-
-# Never NVLink multicast (DESIGN.md): set for everything started from here.
-export NCCL_NVLS_ENABLE=0
-export NVSHMEM_DISABLE_NVLS=1
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-
-# NCCL 2.28.9 (matching the headers the bundle was built with) ships in the
-# device image's PyTorch venv; the system one is 2.28.3, too old for the
-# device API structs compiled into fs_tp. cuBLAS comes from the image too.
-venv_nvidia=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-lib_path="$venv_nvidia/nccl/lib"
-[[ -d "$bundle/lib" ]] && lib_path="$lib_path:$(cd "$bundle/lib" && pwd)"
-lib_path="$lib_path:$venv_nvidia/cublas/lib:$venv_nvidia/cuda_runtime/lib"
-lib_path="$lib_path:/usr/local/cuda/lib64"
-export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 find_bin() {
   find "$bundle" -maxdepth 3 -type f -name "$1" -perm -u+x 2>/dev/null | head -n 1
@@ -48,7 +35,6 @@ bench_bin=$(find_bin fs_tp_bench)
   env | grep -E '^(NCCL_NVLS_ENABLE|NVSHMEM_DISABLE_NVLS|TORCH_SYMM_MEM_DISABLE_MULTICAST)='
   nvidia-smi -L 2>&1
   nvidia-smi topo -m 2>&1
-  ls -l "$venv_nvidia/nccl/lib" 2>&1
   for b in "$test_bin" "$bench_bin"; do
     [[ -n "$b" ]] || continue
     echo "-- ldd $b"

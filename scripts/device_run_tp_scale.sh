@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
-# Runs ON a GPU machine with 4 or 8 GPUs (issue 6), from an unpacked bundle:
+# Runs ON a GPU machine with 4 or 8 GPUs (issue 6), from a bundle:
 # tp_gpu_test (its one-rank-per-GPU cases run where that many GPUs exist, the
 # others skip loudly) and fs_tp_bench at TP = 4 and, with 8 GPUs, TP = 8, for
 # V=128256, D=8192 and V=151936, D=4096, B in {1, 16, 64, 256}, min over 5 runs
 # of 100 calls. Prints issue 6's acceptance verdicts last.
 #
-#   mkdir -p /tmp/fs_device_bundle
-#   tar -C /tmp/fs_device_bundle -xJf .device_bundle/bundle.tar.xz
-#   scripts/device_run_tp_scale.sh /tmp/fs_device_bundle <outdir>
+#   scripts/device_run_tp_scale.sh .device_bundle <outdir>   # or an unpacked bundle
 set -uo pipefail
-bundle=${1:?bundle dir}
 out=${2:?output dir}
+# shellcheck source=scripts/device_env.sh
+source "$(dirname "$0")/device_env.sh"
+fs_device_env "${1:?bundle dir}" || exit 1
+bundle=$FS_BUNDLE
 mkdir -p "$out"
-# Never NVLink multicast (DESIGN.md): set for everything started from here.
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-nvidia=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
-export LD_LIBRARY_PATH=$bundle/lib:$nvidia/cublas/lib:$nvidia/cuda_runtime/lib:$nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) device_run_tp_scale.sh: $gpus GPU(s)" | tee "$out/scale.log"

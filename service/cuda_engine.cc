@@ -58,8 +58,6 @@ struct Rank {
   int device = 0;
   int64_t begin = 0;  // global token id of the shard's first row
   int64_t rows = 0;
-  int64_t tiles = 0;
-  int64_t tile_offset = 0;  // first tile of this rank in rank 0's buffer
   void* weights = nullptr;  // [rows, D] on `device`
 };
 
@@ -123,8 +121,8 @@ class CudaEngine final : public Engine {
   absl::Status Check(cudaError_t error, const char* what);
   absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples);
   // Tensor parallel: one TpExchange per slot on the configured transport.
-  absl::Status CreateExchanges(int64_t vocab);
-  absl::Status CreateExchangesOn(TpTransport transport, const TpLayout& layout);
+  absl::Status CreateExchanges();
+  absl::Status CreateExchangesOn(TpTransport transport);
   void Release();
 
   std::shared_ptr<const Weights> weights_;
@@ -136,7 +134,7 @@ class CudaEngine final : public Engine {
   size_t element_bytes_ = 2;
   size_t params_bytes_ = 0;  // row params region, 256-byte aligned
   size_t input_bytes_ = 0;   // params region + max_batch_rows x D
-  int64_t total_tiles_ = 0;
+  TpLayout layout_;          // the shards as the candidate exchange sees them
   int64_t capacity_pairs_ = 0;
   size_t workspace_bytes_ = 0;
   std::atomic<bool> broken_{false};
@@ -215,10 +213,18 @@ absl::Status CudaEngine::Init() {
           "vocabulary of ", vocab, " rows is too small for ", num_ranks,
           " devices (", kShardGranularity, " rows per shard at least)"));
     }
-    rank.tiles = FusedSampleNumTiles(rank.rows);
-    rank.tile_offset = total_tiles_;
-    total_tiles_ += rank.tiles;
     ranks_.push_back(rank);
+  }
+  // The exchange's view of the same shards, with their tiles in rank 0's
+  // candidate buffer: parts equal to the row counts make MakeTpLayout give
+  // exactly these rows.
+  std::vector<int64_t> shard_rows;
+  for (const Rank& rank : ranks_) shard_rows.push_back(rank.rows);
+  std::string layout_error;
+  if (!MakeTpLayout(vocab, shard_rows, FusedSampleTileRows(), &layout_,
+                    &layout_error)) {
+    return absl::InternalError(
+        absl::StrCat("tensor-parallel layout: ", layout_error));
   }
 
   // Peer access: rank r's kernel stores into rank 0's candidate buffer.
@@ -356,7 +362,7 @@ absl::Status CudaEngine::Init() {
   }
 
   if (num_ranks > 1) {
-    FS_RETURN_IF_ERROR(CreateExchanges(vocab));
+    FS_RETURN_IF_ERROR(CreateExchanges());
     info_.tp_transport =
         TransportDescription(*slots_[0].exchange, tp_fallback_reason_);
   }
@@ -379,8 +385,7 @@ absl::Status CudaEngine::Init() {
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::CreateExchangesOn(TpTransport transport,
-                                           const TpLayout& layout) {
+absl::Status CudaEngine::CreateExchangesOn(TpTransport transport) {
   std::vector<int> devices;
   for (const Rank& rank : ranks_) devices.push_back(rank.device);
   if (transport == TpTransport::kNcclDevice && tp_comms_ == nullptr) {
@@ -398,8 +403,8 @@ absl::Status CudaEngine::CreateExchangesOn(TpTransport transport,
   // Chunks hold at most capacity_pairs_ (row, sample) pairs.
   options.max_samples = kSamplesPerLaunchAtFullBatch;
   for (Slot& slot : slots_) {
-    const TpStatus status = TpExchange::Create(devices, tp_comms_.get(), layout,
-                                               options, &slot.exchange);
+    const TpStatus status = TpExchange::Create(
+        devices, tp_comms_.get(), layout_, options, &slot.exchange);
     if (!status.ok()) {
       return absl::UnavailableError(absl::StrCat(
           TpTransportName(transport), " exchange: ", status.message));
@@ -408,27 +413,11 @@ absl::Status CudaEngine::CreateExchangesOn(TpTransport transport,
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::CreateExchanges(int64_t vocab) {
-  TpLayout layout;
-  layout.vocab_size = vocab;
-  layout.tile_rows = FusedSampleTileRows();
-  for (const Rank& rank : ranks_) {
-    TpShard shard;
-    shard.vocab_offset = rank.begin;
-    shard.vocab_rows = rank.rows;
-    shard.tile_offset = rank.tile_offset;
-    shard.num_tiles = rank.tiles;
-    layout.shards.push_back(shard);
-  }
-  layout.total_tiles = total_tiles_;
-  std::string error;
-  if (!ValidateTpLayout(layout, &error)) {
-    return absl::InternalError(absl::StrCat("tensor-parallel layout: ", error));
-  }
+absl::Status CudaEngine::CreateExchanges() {
   if (options_.tp_transport == CudaTpTransport::kCudaPeer) {
-    return CreateExchangesOn(TpTransport::kCudaPeer, layout);
+    return CreateExchangesOn(TpTransport::kCudaPeer);
   }
-  absl::Status status = CreateExchangesOn(TpTransport::kNcclDevice, layout);
+  absl::Status status = CreateExchangesOn(TpTransport::kNcclDevice);
   if (status.ok() || options_.tp_transport == CudaTpTransport::kNcclDevice) {
     return status;
   }
@@ -437,7 +426,7 @@ absl::Status CudaEngine::CreateExchanges(int64_t vocab) {
   for (Slot& slot : slots_) slot.exchange.reset();
   tp_comms_.reset();
   tp_fallback_reason_ = std::string(status.message());
-  return CreateExchangesOn(TpTransport::kCudaPeer, layout);
+  return CreateExchangesOn(TpTransport::kCudaPeer);
 }
 
 absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
@@ -620,10 +609,8 @@ void CudaEngine::Release() {
     for (size_t r = 0; r < slot.ranks.size(); ++r) {
       SlotRank& slot_rank = slot.ranks[r];
       if (cudaSetDevice(ranks_[r].device) != cudaSuccess) continue;
-      if (slot_rank.stream != nullptr) {
-        cudaStreamSynchronize(slot_rank.stream);
-        cudaStreamDestroy(slot_rank.stream);
-      }
+      // Idle since the first loop above.
+      if (slot_rank.stream != nullptr) cudaStreamDestroy(slot_rank.stream);
       if (slot_rank.device_input != nullptr) cudaFree(slot_rank.device_input);
       if (slot_rank.workspace != nullptr) cudaFree(slot_rank.workspace);
     }

@@ -155,26 +155,7 @@ class Timer {
 
   bool Run(int warmup, const std::function<cudaError_t()>& launch,
            Stats* stats) {
-    for (int i = 0; i < warmup; ++i) {
-      BENCH_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream_));
-      BENCH_CHECK(launch());
-    }
-    const int iters = iters_;
-    for (int i = 0; i < iters; ++i) {
-      BENCH_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream_));
-      BENCH_CHECK(cudaEventRecord(start_[i], stream_));
-      BENCH_CHECK(launch());
-      BENCH_CHECK(cudaEventRecord(stop_[i], stream_));
-    }
-    BENCH_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<double> us(iters);
-    for (int i = 0; i < iters; ++i) {
-      float ms = 0;
-      BENCH_CHECK(cudaEventElapsedTime(&ms, start_[i], stop_[i]));
-      us[i] = 1000.0 * ms;
-    }
-    Summarize(&us, stats);
-    return true;
+    return RunAlternating(warmup, {&launch}, {stats});
   }
 
   // Times two launches alternately, call for call (flush, a, flush, b, ...),
@@ -184,38 +165,46 @@ class Timer {
   bool RunInterleaved(int warmup, const std::function<cudaError_t()>& a,
                       const std::function<cudaError_t()>& b, Stats* stats_a,
                       Stats* stats_b) {
-    const std::function<cudaError_t()>* launches[2] = {&a, &b};
+    return RunAlternating(warmup, {&a, &b}, {stats_a, stats_b});
+  }
+
+ private:
+  // Each iteration flushes L2 before every launch of `launches`, in order;
+  // stats[m] gets launch m's times. Up to two launches (the events).
+  bool RunAlternating(
+      int warmup,
+      const std::vector<const std::function<cudaError_t()>*>& launches,
+      const std::vector<Stats*>& stats) {
+    const int methods = static_cast<int>(launches.size());
+    if (methods < 1 || methods > 2) return false;
     for (int i = 0; i < warmup; ++i) {
       for (const auto* launch : launches) {
         BENCH_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream_));
         BENCH_CHECK((*launch)());
       }
     }
-    const int iters = iters_;
-    for (int i = 0; i < iters; ++i) {
-      for (int m = 0; m < 2; ++m) {
+    for (int i = 0; i < iters_; ++i) {
+      for (int m = 0; m < methods; ++m) {
         BENCH_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream_));
-        BENCH_CHECK(cudaEventRecord(start_[2 * i + m], stream_));
+        BENCH_CHECK(cudaEventRecord(start_[methods * i + m], stream_));
         BENCH_CHECK((*launches[m])());
-        BENCH_CHECK(cudaEventRecord(stop_[2 * i + m], stream_));
+        BENCH_CHECK(cudaEventRecord(stop_[methods * i + m], stream_));
       }
     }
     BENCH_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<double> us[2];
-    for (int i = 0; i < iters; ++i) {
-      for (int m = 0; m < 2; ++m) {
+    for (int m = 0; m < methods; ++m) {
+      std::vector<double> us(iters_);
+      for (int i = 0; i < iters_; ++i) {
         float ms = 0;
-        BENCH_CHECK(
-            cudaEventElapsedTime(&ms, start_[2 * i + m], stop_[2 * i + m]));
-        us[m].push_back(1000.0 * ms);
+        BENCH_CHECK(cudaEventElapsedTime(&ms, start_[methods * i + m],
+                                         stop_[methods * i + m]));
+        us[i] = 1000.0 * ms;
       }
+      Summarize(&us, stats[m]);
     }
-    Summarize(&us[0], stats_a);
-    Summarize(&us[1], stats_b);
     return true;
   }
 
- private:
   cudaStream_t stream_ = nullptr;
   void* flush_ = nullptr;
   size_t flush_bytes_ = 0;
