@@ -14,6 +14,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "service/dtype_convert.h"
+#include "service/proto_dtype.h"
 
 // Tensor.data is little-endian on the wire; the request builders copy host
 // memory as it is.
@@ -95,18 +96,6 @@ absl::Status CheckShape(size_t elements, int64_t rows, int64_t dim) {
   return absl::OkStatus();
 }
 
-v1::DType ToProto(DType dtype) {
-  switch (dtype) {
-    case DType::kBf16:
-      return v1::DTYPE_BF16;
-    case DType::kFp16:
-      return v1::DTYPE_FP16;
-    case DType::kFp32:
-      return v1::DTYPE_FP32;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
 v1::SampleRequest StartRequest(const RequestFields& fields, int64_t rows,
                                int64_t dim, DType wire_dtype) {
   v1::SampleRequest request;
@@ -115,7 +104,7 @@ v1::SampleRequest StartRequest(const RequestFields& fields, int64_t rows,
   request.mutable_seeds()->Add(fields.seeds.begin(), fields.seeds.end());
   request.mutable_steps()->Add(fields.steps.begin(), fields.steps.end());
   v1::Tensor* tensor = request.mutable_hidden_states();
-  tensor->set_dtype(ToProto(wire_dtype));
+  tensor->set_dtype(ToProtoDType(wire_dtype));
   tensor->add_shape(rows);
   tensor->add_shape(dim);
   tensor->mutable_data()->resize(static_cast<size_t>(rows * dim) *

@@ -256,18 +256,6 @@ absl::BitGen& ThreadBitGen() {
 
 }  // namespace
 
-v1::DType ToProtoDType(DType dtype) {
-  switch (dtype) {
-    case DType::kBf16:
-      return v1::DTYPE_BF16;
-    case DType::kFp16:
-      return v1::DTYPE_FP16;
-    case DType::kFp32:
-      return v1::DTYPE_FP32;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
 absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
                                  const CodecConfig& config,
                                  DecodedRequest* out) {

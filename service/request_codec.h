@@ -61,9 +61,6 @@ absl::Status EncodeSampleResponse(const v1::SampleRequest& request,
                                   const std::vector<RowResult>& results,
                                   v1::SampleResponse* response);
 
-// Wire dtype <-> engine dtype.
-v1::DType ToProtoDType(DType dtype);
-
 }  // namespace flashsampler
 
 #endif  // FLASHSAMPLER_SERVICE_REQUEST_CODEC_H_

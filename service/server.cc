@@ -17,6 +17,7 @@
 #include "grpcpp/server_builder.h"
 #include "service/cpu_engine.h"
 #include "service/dtype_convert.h"
+#include "service/proto_dtype.h"
 #include "service/request_codec.h"
 #include "service/status_macros.h"
 #include "service/status_util.h"
