@@ -616,17 +616,17 @@ __device__ __forceinline__ unsigned long long IdentityKey() {
   return PackCandidate(-__int_as_float(0x7f800000), kNoToken);
 }
 
-// Publishes the CTA's winners of one sample: candidates [tile][sample]
+// Publishes the winners of one sample over the first `columns` batch
+// columns (a half piece owns only half of them): candidates [tile][sample]
 // [batch] when asked for, and/or a global atomicMax into the in-kernel
 // stage-2 keys [sample][batch].
 template <typename Shared>
 __device__ __forceinline__ void StoreCandidates(const FusedArgs& args,
                                                 int64_t tile, int sample,
-                                                int batch_base, int thread,
-                                                int num_threads,
+                                                int batch_base, int columns,
+                                                int thread, int num_threads,
                                                 const Shared& shared) {
-  constexpr int kBlockN = Shared::kColumns;
-  for (int i = thread; i < kBlockN; i += num_threads) {
+  for (int i = thread; i < columns; i += num_threads) {
     const int b = batch_base + i;
     if (b < args.batch) {
       const unsigned long long key = shared.best[i];

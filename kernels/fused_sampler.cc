@@ -102,10 +102,23 @@ cudaError_t EncodeTensorMap(
 // the second time): fused_wgmma_n16 beat the 64-wide default at B = 32 in
 // all three H200 runs of 2026-11-22 04:50-05:00 UTC (qwen 0.941-0.959 vs
 // 0.976-1.021 of cuBLAS; llama 0.957-0.968 vs 0.964-1.010).
-int DefaultBlockN(FusedKernel path, int batch) {
+// B = 65..128 on the wgmma path: one 128-wide tile per vocab tile, except on
+// a shard of at most 5 vocab tiles per SM (a tensor-parallel shard), where
+// two 64-wide ones were 12-20% faster in the H200 run of 2026-11-22 11:40
+// UTC (half-size items: a finer last round, half the last item's exposed
+// noise epilogue; qwen's TP8 shard at B = 128: 71 vs 86 us). On the full
+// vocabularies (7.6-9 tiles per SM) 128 was as fast (qwen) or 10% faster
+// (llama) in session 2's runs (docs/perf/fused_kernel_attempts.md, attempt
+// 19).
+int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
+                  int multiprocessors) {
   if (batch <= 16) return 16;
   if (batch <= 32 && path == FusedKernel::kWgmma) return 16;
   if (batch <= 64 || path == FusedKernel::kMmaSync) return 64;
+  if (batch <= 128 &&
+      FusedSampleNumTiles(vocab_rows) <= 5 * int64_t{multiprocessors}) {
+    return 64;
+  }
   return 128;
 }
 
@@ -227,8 +240,10 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
     return cudaErrorInvalidValue;
   }
   const FusedKernel path = FusedSampleResolveKernel(params.kernel);
-  const int block_n =
-      params.block_n != 0 ? params.block_n : DefaultBlockN(path, params.batch);
+  const int block_n = params.block_n != 0
+                          ? params.block_n
+                          : DefaultBlockN(path, params.batch, params.vocab_rows,
+                                          MultiprocessorCount());
   FusedArgs args;
   args.weights = params.weights;
   args.hidden = params.hidden;
@@ -250,6 +265,7 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
           : nullptr;
   args.token_ids = params.token_ids;
   args.winning_scores = params.winning_scores;
+  args.split_last_round = params.split_last_round;
   // W streams through L2 once, unless a second batch tile re-reads it.
   switch (params.w_l2_hint) {
     case L2Hint::kEvictFirst:

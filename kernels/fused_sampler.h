@@ -85,6 +85,11 @@ struct FusedSampleParams {
   // (two swizzle-wide k-blocks: 256 contiguous bytes of each W row per
   // stage; D not a multiple of 128 uses 64). Same k order, same bits.
   int w_stage_k = 0;
+  // wgmma path, block_n 128: when the persistent grid's last round of items
+  // fills at most half the SMs, cut its items into two 64-column halves on
+  // twice as many SMs (half an item per SM instead of a whole one). Off only
+  // for the benchmark's comparison; same bits either way.
+  bool split_last_round = true;
 };
 
 constexpr int kMaxFusedBatch = 256;

@@ -43,6 +43,7 @@ struct FusedArgs {
   int32_t* token_ids;     // [batch][n]
   float* winning_scores;  // optional [batch][n]
   uint64_t w_cache_hint;  // TMA L2 hint for W (wgmma path)
+  bool split_last_round;  // wgmma path (FusedSampleParams)
 };
 
 // Workspace of the in-kernel stage 2: the counter, then the keys.

@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(256, kMinBlocks)
       for (int mi = 0; mi < kMi; ++mi) RotateBlocks(acc[mi]);
     }
     __syncthreads();
-    StoreCandidates(args, tile, sample, batch_base, thread, kThreads, epilogue);
+    StoreCandidates(args, tile, sample, batch_base, kBlockN, thread, kThreads,
+                    epilogue);
   }
   __shared__ int last_flag;
   FinishInKernelReduce(args, thread, kThreads, gridDim.x * gridDim.y,

@@ -14,10 +14,16 @@
 // while the other's wgmmas run, and the producer streams W across item
 // boundaries without draining the ring.
 //
+// Items go round-robin to the persistent CTAs (WorkSchedule). Where the
+// last round would leave more than half the SMs idle, its 128-wide items
+// are cut into two 64-wide halves on twice as many CTAs, so that the round
+// costs half an item per SM instead of a whole one.
+//
 // The k-steps of D are issued in order into one fp32 accumulator per logit
-// whatever kBlockN is, so a row's logits do not depend on the batch
-// (DESIGN.md rule 2). Rows past the shard or the batch are zero-filled by
-// TMA's out-of-bounds handling and ignored by the epilogue.
+// whatever the wgmma's N is, so a row's logits do not depend on the batch
+// or on the schedule (DESIGN.md rule 2). Rows past the shard or the batch
+// are zero-filled by TMA's out-of-bounds handling and ignored by the
+// epilogue.
 #ifndef FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_
 #define FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_
 
@@ -73,11 +79,136 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// One CTA's share of the work: whole items (vocab tile x kBlockN batch
+// columns) round-robin, item i on CTA i % grid in round i / grid, and, when
+// the last round is at most half full and kBlockN is 128, that round's items
+// in halves of 64 columns, two CTAs per item. Without the split a CTA's cost
+// is ceil(items / grid) items; the split makes the last round half an item
+// (qwen's TP8 shard at B = 128: 85 instead of 100 us; docs/perf/
+// fused_kernel_attempts.md, attempt 18). Producer and consumers walk the
+// same sequence of pieces.
+struct WorkPiece {
+  int64_t tile;  // vocab tile
+  int col0;      // first batch column
+  bool half;     // kBlockN / 2 columns instead of kBlockN
+};
+
+template <int kBlockN>
+struct WorkSchedule {
+  static constexpr bool kCanSplit = kBlockN == 128;
+  int batch_tiles;
+  int full_rounds;
+  int tail_items;  // items of the last, partial round
+  bool split_tail;
+
+  // Counts fit 32 bits: the dispatcher caps vocab tiles at 65535 and the
+  // batch at kMaxFusedBatch.
+  __device__ WorkSchedule(int num_items, int batches, int grid,
+                          bool allow_split)
+      : batch_tiles(batches),
+        full_rounds(num_items / grid),
+        tail_items(num_items % grid),
+        split_tail(kCanSplit && allow_split && tail_items > 0 &&
+                   2 * tail_items <= grid) {}
+
+  __device__ int PiecesOf(int cta) const {
+    const int tail_pieces = split_tail ? 2 * tail_items : tail_items;
+    return full_rounds + (cta < tail_pieces ? 1 : 0);
+  }
+
+  __device__ WorkPiece PieceAt(int j, int cta, int grid) const {
+    WorkPiece piece;
+    piece.half = j == full_rounds && split_tail;
+    // 64-bit: with 32-bit item numbers ptxas -v showed the consumer
+    // spilling 132 bytes, with 64-bit 36 (reloaded once per piece, outside
+    // the scoring loops).
+    const int64_t item =
+        piece.half ? static_cast<int64_t>(full_rounds) * grid + cta / 2
+                   : cta + static_cast<int64_t>(j) * grid;
+    piece.tile = item / batch_tiles;
+    piece.col0 = static_cast<int>(item % batch_tiles) * kBlockN +
+                 (piece.half ? (cta % 2) * (kBlockN / 2) : 0);
+    return piece;
+  }
+};
+
 // Named barriers: 1 and 2 = consumer 0 / 1 epilogue (128 threads); 3 and 4 =
 // the hand-off into consumer 0 / 1's next item (256: one side arrives, the
 // other waits).
 constexpr int kEpilogueBarrier = 1;
 constexpr int kHandoffBarrier = 3;
+
+// A consumer's main loop over one piece: num_steps ring stages from ring
+// sequence number seq0 on, two m64nN wgmmas per k-step (rows 0-63 into
+// acc0, 64-127 into acc1), one k-block kept in flight; each stage goes back
+// to the producer once its wgmmas are done. On the last stage it lets the
+// other consumer start the CTA's next piece (hand_off).
+template <typename T, int kN, typename Config, int kStages, int kHalves>
+__device__ __forceinline__ void MultiplyPiece(
+    float (&acc0)[kN / 2], float (&acc1)[kN / 2], uint32_t smem_a_base,
+    uint32_t smem_b_base, uint32_t full_bar_base, uint32_t empty_bar_base,
+    int num_steps, uint32_t seq0, int hand_off_barrier, int lane) {
+  FenceAccumulators(acc0);
+  FenceAccumulators(acc1);
+  // Ring position of the first stage; advanced incrementally (a run-time
+  // % kStages per step costs a multiply-shift sequence).
+  uint32_t stage = seq0 % kStages;
+  uint32_t phase = (seq0 / kStages) & 1;
+  uint32_t previous_stage = stage;
+  for (int step = 0; step < num_steps; ++step) {
+    ptx::MbarrierWait(full_bar_base + 8 * stage, phase);
+    if (step == num_steps - 1 && hand_off_barrier >= 0) {
+      NamedBarrierArrive(hand_off_barrier, 256);
+    }
+    ptx::WgmmaFence();
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const uint32_t a_low = ptx::WgmmaDescriptorLow(
+          smem_a_base + stage * Config::kStageBytesA + h * Config::kHalfBytesA);
+      const uint32_t b_low = ptx::WgmmaDescriptorLow(
+          smem_b_base + stage * Config::kStageBytesB + h * Config::kHalfBytesB);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        // 16 elements of K = 32 bytes = 2 units of the descriptor address;
+        // rows 64-127 of the W tile start 64 x 128 bytes later. k-steps
+        // stay in order: half 0, then half 1. A kN narrower than the
+        // stage's batch rows reads its first kN rows.
+        const uint64_t desc_b = ptx::WgmmaDescriptorFromLow(b_low + 2 * kk);
+        ptx::Wgmma<T, kN>::Run(
+            acc0, ptx::WgmmaDescriptorFromLow(a_low + 2 * kk), desc_b);
+        ptx::Wgmma<T, kN>::Run(
+            acc1, ptx::WgmmaDescriptorFromLow(a_low + 512 + 2 * kk), desc_b);
+      }
+    }
+    ptx::WgmmaCommit();
+    // Keep one k-block in flight; the one before it is finished, so its
+    // stage goes back to the producer.
+    ptx::WgmmaWait<1>();
+    FenceAccumulators(acc0);
+    FenceAccumulators(acc1);
+    if (step > 0 && lane == 0) {
+      ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
+    }
+    previous_stage = stage;
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  ptx::WgmmaWait<0>();
+  FenceAccumulators(acc0);
+  FenceAccumulators(acc1);
+  if (lane == 0) ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
+}
+
+// The first kCount floats of an accumulator array, as an array (the narrow
+// wgmma of a half piece fills the same leading n8 blocks).
+template <int kCount, int kTotal>
+__device__ __forceinline__ float (
+    &LeadingAccumulators(float (&acc)[kTotal]))[kCount] {
+  static_assert(kCount <= kTotal, "a prefix");
+  return *reinterpret_cast<float(*)[kCount]>(&acc[0]);
+}
 
 template <typename T, int kBlockN, int kStages, int kHalves>
 __global__ void __launch_bounds__(384, 1)
@@ -116,9 +247,11 @@ __global__ void __launch_bounds__(384, 1)
   // multiple of 128, so every stage is full (no data-dependent branch
   // around the wgmmas: ptxas serialises wgmmas under one, warning C7520).
   const int num_steps = num_kb / kHalves;
-  const int64_t vocab_tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
+  const int vocab_tiles =
+      static_cast<int>((args.vocab_rows + kTileRows - 1) / kTileRows);
   const int batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
-  const int64_t num_items = vocab_tiles * batch_tiles;
+  const WorkSchedule<kBlockN> schedule(vocab_tiles * batch_tiles, batch_tiles,
+                                       gridDim.x, args.split_last_round);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -142,10 +275,13 @@ __global__ void __launch_bounds__(384, 1)
     if (threadIdx.x == 0) {
       constexpr uint32_t kHalfTx = Config::kHalfBytesA + Config::kHalfBytesB;
       uint32_t seq = 0;
-      for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
-        const int32_t row0 =
-            static_cast<int32_t>((item / batch_tiles) * kTileRows);
-        const int32_t col0 = static_cast<int32_t>(item % batch_tiles) * kBlockN;
+      const int pieces = schedule.PiecesOf(blockIdx.x);
+      for (int j = 0; j < pieces; ++j) {
+        const WorkPiece piece = schedule.PieceAt(j, blockIdx.x, gridDim.x);
+        const int32_t row0 = static_cast<int32_t>(piece.tile * kTileRows);
+        // A half piece loads the same kBlockN-row box of H from its first
+        // column; the wgmma reads the first half.
+        const int32_t col0 = piece.col0;
         for (int step = 0; step < num_steps; ++step, ++seq) {
           const uint32_t stage = seq % kStages;
           ptx::MbarrierWait(ptx::SmemAddr(&empty_bar[stage]),
@@ -178,15 +314,15 @@ __global__ void __launch_bounds__(384, 1)
   float* staging = epilogue.staging[warp];
   const int epilogue_barrier = kEpilogueBarrier + consumer;
 
-  // This consumer's items are the CTA's items j = consumer, consumer + 2,
-  // ...; item j's stages are ring sequence numbers j*num_steps .. +
+  // This consumer's pieces are the CTA's pieces j = consumer, consumer + 2,
+  // ...; piece j's stages are ring sequence numbers j*num_steps .. +
   // num_steps - 1.
-  for (int j = consumer;; j += 2) {
-    const int64_t item = blockIdx.x + static_cast<int64_t>(j) * gridDim.x;
-    if (item >= num_items) break;
-    const int64_t tile = item / batch_tiles;
-    const int batch_base = static_cast<int>(item % batch_tiles) * kBlockN;
-    const bool next_item_exists = item + gridDim.x < num_items;
+  const int pieces = schedule.PiecesOf(blockIdx.x);
+  for (int j = consumer; j < pieces; j += 2) {
+    const WorkPiece piece = schedule.PieceAt(j, blockIdx.x, gridDim.x);
+    const int64_t tile = piece.tile;
+    const int batch_base = piece.col0;
+    const int columns = piece.half ? kBlockN / 2 : kBlockN;
     // Safe: this thread's reads of the previous item's parameters ended
     // before its last epilogue barrier.
     LoadColumnParams(args, batch_base, thread, 128, epilogue);
@@ -195,63 +331,28 @@ __global__ void __launch_bounds__(384, 1)
     float acc1[kHalf];
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) acc0[i] = acc1[i] = 0.0f;
-    FenceAccumulators(acc0);
-    FenceAccumulators(acc1);
-    // Wait until the other consumer has received every stage of item j-1:
+    // Wait until the other consumer has received every stage of piece j-1:
     // then every earlier ring phase is complete and the parity waits below
     // cannot pass on a stale phase.
     if (j >= 1) ptx::NamedBarrier(kHandoffBarrier + consumer, 256);
-    // Ring position of this item's first stage; advanced incrementally (a
-    // run-time % kStages per step costs a multiply-shift sequence).
     const uint32_t seq0 = static_cast<uint32_t>(j) * num_steps;
-    uint32_t stage = seq0 % kStages;
-    uint32_t phase = (seq0 / kStages) & 1;
-    uint32_t previous_stage = stage;
-    for (int step = 0; step < num_steps; ++step) {
-      ptx::MbarrierWait(full_bar_base + 8 * stage, phase);
-      if (step == num_steps - 1 && next_item_exists) {
-        NamedBarrierArrive(kHandoffBarrier + (1 - consumer), 256);
+    const int hand_off = j + 1 < pieces ? kHandoffBarrier + (1 - consumer) : -1;
+    if constexpr (WorkSchedule<kBlockN>::kCanSplit) {
+      if (piece.half) {
+        MultiplyPiece<T, kBlockN / 2, Config, kStages, kHalves>(
+            LeadingAccumulators<kHalf / 2>(acc0),
+            LeadingAccumulators<kHalf / 2>(acc1), smem_a_base, smem_b_base,
+            full_bar_base, empty_bar_base, num_steps, seq0, hand_off, lane);
+      } else {
+        MultiplyPiece<T, kBlockN, Config, kStages, kHalves>(
+            acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
+            num_steps, seq0, hand_off, lane);
       }
-      ptx::WgmmaFence();
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-        const uint32_t a_low =
-            ptx::WgmmaDescriptorLow(smem_a_base + stage * Config::kStageBytesA +
-                                    h * Config::kHalfBytesA);
-        const uint32_t b_low =
-            ptx::WgmmaDescriptorLow(smem_b_base + stage * Config::kStageBytesB +
-                                    h * Config::kHalfBytesB);
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          // 16 elements of K = 32 bytes = 2 units of the descriptor address;
-          // rows 64-127 of the W tile start 64 x 128 bytes later. k-steps
-          // stay in order: half 0, then half 1.
-          const uint64_t desc_b = ptx::WgmmaDescriptorFromLow(b_low + 2 * kk);
-          ptx::Wgmma<T, kBlockN>::Run(
-              acc0, ptx::WgmmaDescriptorFromLow(a_low + 2 * kk), desc_b);
-          ptx::Wgmma<T, kBlockN>::Run(
-              acc1, ptx::WgmmaDescriptorFromLow(a_low + 512 + 2 * kk), desc_b);
-        }
-      }
-      ptx::WgmmaCommit();
-      // Keep one k-block in flight; the one before it is finished, so its
-      // stage goes back to the producer.
-      ptx::WgmmaWait<1>();
-      FenceAccumulators(acc0);
-      FenceAccumulators(acc1);
-      if (step > 0 && lane == 0) {
-        ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
-      }
-      previous_stage = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+    } else {
+      MultiplyPiece<T, kBlockN, Config, kStages, kHalves>(
+          acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
+          num_steps, seq0, hand_off, lane);
     }
-    ptx::WgmmaWait<0>();
-    FenceAccumulators(acc0);
-    FenceAccumulators(acc1);
-    if (lane == 0) ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
 
     const int64_t row0 = tile * kTileRows + warp * 16;
     for (int sample = 0; sample < args.num_samples; ++sample) {
@@ -262,14 +363,15 @@ __global__ void __launch_bounds__(384, 1)
       ptx::NamedBarrier(epilogue_barrier, 128);
       // Two n8 blocks (16 batch columns) of both m64 halves per call.
 #pragma unroll 1
-      for (int nj = 0; nj < kBlockN / 8; nj += 2) {
+      for (int nj = 0; nj < columns / 8; nj += 2) {
         float frags[2][2][4];
         ReadBlockQuad(acc0, acc1, nj / 2, frags);
         ScoreFragmentQuad(frags, row0, nj * 8, sample, sample == 0, batch_base,
                           args, staging, epilogue, /*use_floor=*/true);
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
-      StoreCandidates(args, tile, sample, batch_base, thread, 128, epilogue);
+      StoreCandidates(args, tile, sample, batch_base, columns, thread, 128,
+                      epilogue);
     }
   }
   FinishInKernelReduce(

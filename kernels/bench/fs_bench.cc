@@ -9,6 +9,9 @@
 //
 //   fs_bench --out DIR [--configs qwen,llama] [--batches 1,2,4] [--iters 100]
 //            [--warmup 25] [--no-sweep] [--path auto|mma|wgmma]
+// Configs: qwen, llama, one GPU's shard of either under an even tensor-
+// parallel split (qwen_tp4, qwen_tp8, llama_tp4, llama_tp8), or any shape
+// as v<V>x<D> (e.g. v16896x4096).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -221,6 +224,7 @@ struct Variant {
   int promotion = 0;
   int max_batch = kMaxFusedBatch;  // only timed for batches up to this
   int stage_k = 0;
+  bool split_last_round = true;
 };
 
 const char* KernelName(FusedKernel kernel) {
@@ -341,6 +345,12 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                FusedKernel::kWgmma, 16, hint, promotion, 16});
         }
       }
+      // The 128-wide tiles without the split of a half-empty last round
+      // (FusedSampleParams::split_last_round).
+      Variant whole{"fused_wgmma_n128_k128_nosplit", FusedKernel::kWgmma, 128};
+      whole.stage_k = 128;
+      whole.split_last_round = false;
+      variants.push_back(whole);
       // The wider tiles with W's L2 promotion at 128 B and none (256 B is
       // their default).
       for (int block_n : {64, 128}) {
@@ -363,7 +373,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     // layout).
     auto fused_run = [&](FusedKernel kernel, int block_n, bool in_kernel,
                          bool greedy, L2Hint hint = L2Hint::kAuto,
-                         int promotion = 0, int stage_k = 0) {
+                         int promotion = 0, int stage_k = 0,
+                         bool split_last_round = true) {
       FusedSampleParams params;
       params.weights = weights;
       params.hidden = hidden_states;
@@ -385,6 +396,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       params.w_l2_hint = hint;
       params.w_l2_promotion = promotion;
       params.w_stage_k = stage_k;
+      params.split_last_round = split_last_round;
       cudaError_t error =
           LaunchFusedSample(params, workspace, workspace_bytes, stream);
       if (error != cudaSuccess || in_kernel) return error;
@@ -452,7 +464,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       if (batch > variant.max_batch) continue;
       if (!time(variant.name, [&] {
             return fused_run(variant.kernel, variant.block_n, true, false,
-                             variant.hint, variant.promotion, variant.stage_k);
+                             variant.hint, variant.promotion, variant.stage_k,
+                             variant.split_last_round);
           })) {
         // A failed variant must not cost the rest of the run: note it,
         // clear a non-sticky error and go on (a sticky one fails next).
@@ -584,16 +597,33 @@ bool Main(int argc, char** argv) {
   const std::vector<ModelConfig> known = {
       {"qwen", 151936, 4096, 0.35f},   // Qwen3-8B LM head
       {"llama", 128256, 8192, 0.29f},  // Llama-3-70B LM head
+      // One GPU's shard of those under an even tensor-parallel split
+      // (kernels/tp_layout.h): the kernel alone, without the exchange.
+      {"qwen_tp4", 151936 / 4, 4096, 0.35f},
+      {"qwen_tp8", 151936 / 8, 4096, 0.35f},
+      {"llama_tp4", 128256 / 4, 8192, 0.29f},
+      {"llama_tp8", 128256 / 8, 8192, 0.29f},
   };
   for (const std::string& name : options.configs) {
     const auto it =
         std::find_if(known.begin(), known.end(),
                      [&](const ModelConfig& c) { return c.name == name; });
-    if (it == known.end()) {
+    ModelConfig config;
+    long long vocab = 0;
+    int hidden = 0;
+    char tail = 0;
+    if (it != known.end()) {
+      config = *it;
+    } else if (std::sscanf(name.c_str(), "v%lldx%d%c", &vocab, &hidden,
+                           &tail) == 2 &&
+               vocab > 0 && hidden > 0) {
+      // Any shape: "v<V>x<D>", inputs scaled as for qwen.
+      config = {name, vocab, hidden, 0.35f};
+    } else {
       std::fprintf(stderr, "fs_bench: unknown config %s\n", name.c_str());
       return false;
     }
-    if (!RunConfig(*it, options, timer, stream, cublas, long_csv,
+    if (!RunConfig(config, options, timer, stream, cublas, long_csv,
                    summary_csv)) {
       return false;
     }

@@ -55,6 +55,7 @@ struct LaunchSpec {
   FusedKernel kernel = FusedKernel::kAuto;
   int block_n = 0;
   int stage_k = 0;
+  bool split_last_round = true;
   bool want_logits = false;
 };
 
@@ -101,6 +102,7 @@ struct LaunchOutput {
   params.kernel = spec.kernel;
   params.block_n = spec.block_n;
   params.w_stage_k = spec.stage_k;
+  params.split_last_round = spec.split_last_round;
   cudaError_t error = LaunchFusedSample(params, nullptr, 0, nullptr);
   if (error != cudaSuccess) {
     return ::testing::AssertionFailure()
@@ -384,6 +386,73 @@ TEST(FusedSamplerGpuTest, SanitizerSmallCase) {
                                     inv_t[r], seeds[r], steps[r], s)
                         .token_id)
               << PathName(path) << " " << block_n << " row " << r;
+        }
+      }
+    }
+  }
+}
+
+// The wgmma kernel cuts the items of a last round that fills at most half
+// the SMs into two 64-column halves (WorkSchedule in
+// fused_sampler_wgmma.cuh). Here the vocabulary is SMs + 3 tiles, the last
+// one ragged, so that every batch of 65..256 rows (block_n 128) ends in such
+// a round: 3 or 6 items on a grid of SMs. Logits and tokens must be exact,
+// with the split and without it. Small enough for compute-sanitizer.
+TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
+  FS_SKIP_WITHOUT_GPU();
+  if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
+    GTEST_SKIP() << "the split is a wgmma-path schedule; no sm_90a here";
+  }
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0),
+            cudaSuccess);
+  const int64_t vocab = (sms + 3) * int64_t{FusedSampleTileRows()} - 40;
+  constexpr int kHidden = 128;
+  constexpr int kRows = 256;
+  constexpr int kSamples = 2;
+  constexpr int64_t kOffset = 6;
+  std::mt19937_64 rng(21);
+  const std::vector<float> weights = SmallIntegers(vocab * kHidden, 3, rng);
+  const std::vector<float> hidden = SmallIntegers(kRows * kHidden, 2, rng);
+  std::vector<float> inv_t;
+  std::vector<uint64_t> seeds;
+  std::vector<uint64_t> steps;
+  MakeControls(kRows, 6, &inv_t, &seeds, &steps);
+  auto sampler =
+      CpuSampler::Create(std::make_shared<const std::vector<float>>(weights),
+                         vocab, kHidden, CpuSamplerOptions());
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  std::vector<float> reference(static_cast<size_t>(kRows) * vocab);
+  ASSERT_TRUE(
+      (*sampler)->ComputeLogits(hidden.data(), kRows, reference.data()).ok());
+  Problem problem;
+  ASSERT_TRUE(MakeProblem(weights, hidden, vocab, kHidden, KernelDType::kBf16,
+                          inv_t, seeds, steps, &problem));
+  for (int batch : {65, 128, 200, 256}) {
+    for (bool split : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << "batch " << batch << " split "
+                                        << split << " SMs " << sms);
+      LaunchSpec spec;
+      spec.batch = batch;
+      spec.num_samples = kSamples;
+      spec.vocab_offset = kOffset;
+      spec.kernel = FusedKernel::kWgmma;
+      spec.block_n = 128;
+      spec.split_last_round = split;
+      spec.want_logits = true;
+      LaunchOutput out;
+      ASSERT_TRUE(RunFused(problem, spec, &out));
+      ASSERT_EQ(std::memcmp(out.logits.data(), reference.data(),
+                            sizeof(float) * batch * vocab),
+                0)
+          << "logits differ from the exact small-integer products";
+      for (int r = 0; r < batch; ++r) {
+        for (int s = 0; s < kSamples; ++s) {
+          ASSERT_EQ(out.tokens[r * kSamples + s],
+                    ReferenceSample(&reference[r * vocab], vocab, kOffset,
+                                    inv_t[r], seeds[r], steps[r], s)
+                        .token_id)
+              << "row " << r << " sample " << s;
         }
       }
     }
