@@ -524,11 +524,13 @@ __device__ __forceinline__ void ScoreFragments(
 // (kQuadStagingFloats per warp) regroups them so that a lane holds 16
 // consecutive vocab rows of one column, 4 Philox calls and 16 tokens with a
 // single seed: two lanes share a column.
-template <typename Shared>
-__device__ __forceinline__ void ScoreFragmentQuad(
-    const float (&frags)[2][2][4], int64_t row0, int col0, int sample,
-    bool store_logits, int batch_base, const FusedArgs& args, float* staging,
-    Shared& shared, bool use_floor) {
+//
+// In two steps, so that a quad can be scored by another warp than the one
+// whose accumulators hold it (the wgmma kernel's shared last epilogue):
+// StageFragmentQuad writes a warp's fragments into a kQuadStagingFloats
+// buffer, ScoreStagedQuad scores such a buffer.
+__device__ __forceinline__ void StageFragmentQuad(const float (&frags)[2][2][4],
+                                                  float* staging) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int c = lane & 3;
@@ -545,13 +547,30 @@ __device__ __forceinline__ void ScoreFragmentQuad(
       base[kQuadStagingStride + 8] = frags[h][v][3];
     }
   }
-  __syncwarp();
+}
+
+template <typename Shared>
+__device__ __forceinline__ void ScoreStagedQuad(
+    const float* staging, int64_t row0, int col0, int sample, bool store_logits,
+    int batch_base, const FusedArgs& args, Shared& shared, bool use_floor) {
+  const int lane = threadIdx.x & 31;
   const int column = lane >> 1;
   const int half = lane & 1;
   const StagedLogits lane_logits{staging + column * kQuadStagingStride +
                                  16 * half};
   ScoreRuns<4, 2>(lane_logits, row0 + 64 * half, 4, col0 + column, sample,
                   store_logits, batch_base, args, shared, use_floor);
+}
+
+template <typename Shared>
+__device__ __forceinline__ void ScoreFragmentQuad(
+    const float (&frags)[2][2][4], int64_t row0, int col0, int sample,
+    bool store_logits, int batch_base, const FusedArgs& args, float* staging,
+    Shared& shared, bool use_floor) {
+  StageFragmentQuad(frags, staging);
+  __syncwarp();
+  ScoreStagedQuad(staging, row0, col0, sample, store_logits, batch_base, args,
+                  shared, use_floor);
   // Every lane is done with the staging buffer before the next call's
   // stores (ScoreRuns' last shuffles need not run).
   __syncwarp();

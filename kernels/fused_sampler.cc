@@ -104,7 +104,7 @@ cudaError_t EncodeTensorMap(
 // 0.976-1.021 of cuBLAS; llama 0.957-0.968 vs 0.964-1.010).
 // B = 65..128 on the wgmma path: one 128-wide tile per vocab tile, except on
 // a shard of at most 5 vocab tiles per SM (a tensor-parallel shard), where
-// two 64-wide ones were 12-20% faster in the H200 run of 2026-11-22 11:40
+// two 64-wide ones were 12-20% faster in the H200 run of 2026-11-22 11:00
 // UTC (half-size items: a finer last round, half the last item's exposed
 // noise epilogue; qwen's TP8 shard at B = 128: 71 vs 86 us). On the full
 // vocabularies (7.6-9 tiles per SM) 128 was as fast (qwen) or 10% faster
@@ -266,6 +266,7 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   args.token_ids = params.token_ids;
   args.winning_scores = params.winning_scores;
   args.split_last_round = params.split_last_round;
+  args.share_last_epilogue = params.share_last_epilogue;
   // W streams through L2 once, unless a second batch tile re-reads it.
   switch (params.w_l2_hint) {
     case L2Hint::kEvictFirst:

@@ -90,6 +90,10 @@ struct FusedSampleParams {
   // twice as many SMs (half an item per SM instead of a whole one). Off only
   // for the benchmark's comparison; same bits either way.
   bool split_last_round = true;
+  // wgmma path, block_n >= 64: the CTA's last piece is scored by both
+  // consumer warpgroups (its owner stages half of its accumulators in shared
+  // memory). Off only for the benchmark's comparison; same bits either way.
+  bool share_last_epilogue = true;
 };
 
 constexpr int kMaxFusedBatch = 256;

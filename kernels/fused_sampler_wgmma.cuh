@@ -134,9 +134,13 @@ struct WorkSchedule {
 
 // Named barriers: 1 and 2 = consumer 0 / 1 epilogue (128 threads); 3 and 4 =
 // the hand-off into consumer 0 / 1's next item (256: one side arrives, the
-// other waits).
+// other waits); 5 = the last piece's accumulators are staged for the other
+// consumer, 6 = the other consumer's wgmmas are done (256 each, the same
+// way).
 constexpr int kEpilogueBarrier = 1;
 constexpr int kHandoffBarrier = 3;
+constexpr int kShareBarrier = 5;
+constexpr int kRingDrainedBarrier = 6;
 
 // A consumer's main loop over one piece: num_steps ring stages from ring
 // sequence number seq0 on, two m64nN wgmmas per k-step (rows 0-63 into
@@ -218,6 +222,19 @@ __global__ void __launch_bounds__(384, 1)
 #if FS_SM90A_ENABLED
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
   constexpr int kHalf = kBlockN / 2;  // accumulators per m64 wgmma
+  // The CTA's last piece ends on an epilogue that no other consumer's
+  // wgmmas hide (~15 us at B = 256: docs/perf/fused_kernel_attempts.md,
+  // attempt 20). Its owner stages the accumulators of the piece's second
+  // half of columns in the drained ring, and the other consumer, done with
+  // its own pieces by then, scores those while the owner scores the first
+  // half. From 32 columns a piece up (kBlockN 16 has a short epilogue).
+  constexpr bool kShareLastEpilogue = kBlockN >= 64;
+  // Staged quads (16 columns) per warp: half of the widest piece.
+  constexpr int kSharedQuads = kBlockN / 32;
+  static_assert(!kShareLastEpilogue ||
+                    4 * kSharedQuads * kQuadStagingFloats * sizeof(float) <=
+                        kStages * Config::kStageBytesA,
+                "the staged half of a piece fits in the ring's W stages");
   extern __shared__ uint8_t smem_raw[];
   // Rounded up to the 1024 bytes the swizzle atoms need by an offset from
   // smem_raw, not through an integer cast, so that the compiler still knows
@@ -353,8 +370,41 @@ __global__ void __launch_bounds__(384, 1)
           acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
           num_steps, seq0, hand_off, lane);
     }
+    const bool share = kShareLastEpilogue && args.share_last_epilogue;
+    // This consumer's wgmmas are done for good: the other one, owner of
+    // the CTA's last piece, may write into the ring (below).
+    if (share && j == pieces - 2) {
+      NamedBarrierArrive(kRingDrainedBarrier, 256);
+    }
 
     const int64_t row0 = tile * kTileRows + warp * 16;
+    // Scored here: all columns, or the first half of the last piece's.
+    int own_columns = columns;
+    if (share && j == pieces - 1) {
+      own_columns = columns / 2;
+      // The ring is drained once the other consumer's wgmmas are done too
+      // (it handed the ring over on receiving its last stage, before its
+      // wgmmas read it): every stage was consumed and the producer has no
+      // more loads, so the W stages can hold this warp's staged quads.
+      if (pieces >= 2) ptx::NamedBarrier(kRingDrainedBarrier, 256);
+      float* shared_staging = reinterpret_cast<float*>(smem_a) +
+                              warp * kSharedQuads * kQuadStagingFloats;
+      // Compile-time quad numbers (a run-time one here made ptxas spill
+      // the accumulators): quads kSharedQuads.. of a whole piece, or
+      // kSharedQuads / 2.. of a half piece.
+#pragma unroll
+      for (int q = 0; q < kSharedQuads; ++q) {
+        if (q < own_columns / 16) {
+          float frags[2][2][4];
+          ReadBlockQuad(acc0, acc1,
+                        own_columns == kBlockN / 2 ? kSharedQuads + q
+                                                   : kSharedQuads / 2 + q,
+                        frags);
+          StageFragmentQuad(frags, shared_staging + q * kQuadStagingFloats);
+        }
+      }
+      NamedBarrierArrive(kShareBarrier, 256);
+    }
     for (int sample = 0; sample < args.num_samples; ++sample) {
       for (int i = thread; i < kBlockN; i += 128) {
         epilogue.best[i] = IdentityKey();
@@ -363,15 +413,44 @@ __global__ void __launch_bounds__(384, 1)
       ptx::NamedBarrier(epilogue_barrier, 128);
       // Two n8 blocks (16 batch columns) of both m64 halves per call.
 #pragma unroll 1
-      for (int nj = 0; nj < columns / 8; nj += 2) {
+      for (int nj = 0; nj < own_columns / 8; nj += 2) {
         float frags[2][2][4];
         ReadBlockQuad(acc0, acc1, nj / 2, frags);
         ScoreFragmentQuad(frags, row0, nj * 8, sample, sample == 0, batch_base,
                           args, staging, epilogue, /*use_floor=*/true);
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
-      StoreCandidates(args, tile, sample, batch_base, columns, thread, 128,
+      StoreCandidates(args, tile, sample, batch_base, own_columns, thread, 128,
                       epilogue);
+    }
+  }
+  if (kShareLastEpilogue && args.share_last_epilogue &&
+      consumer != (pieces - 1) % 2) {
+    // The second half of the columns of the CTA's last piece, which the
+    // other consumer owns, from the quads it staged.
+    const WorkPiece piece = schedule.PieceAt(pieces - 1, blockIdx.x, gridDim.x);
+    const int half_columns = (piece.half ? kBlockN / 2 : kBlockN) / 2;
+    const int batch_base = piece.col0 + half_columns;
+    LoadColumnParams(args, batch_base, thread, 128, epilogue);
+    const float* shared_staging = reinterpret_cast<const float*>(smem_a) +
+                                  warp * kSharedQuads * kQuadStagingFloats;
+    const int64_t row0 = piece.tile * kTileRows + warp * 16;
+    ptx::NamedBarrier(kShareBarrier, 256);
+    for (int sample = 0; sample < args.num_samples; ++sample) {
+      for (int i = thread; i < kBlockN; i += 128) {
+        epilogue.best[i] = IdentityKey();
+      }
+      LoadColumnFloors(args, sample, batch_base, thread, 128, epilogue);
+      ptx::NamedBarrier(epilogue_barrier, 128);
+#pragma unroll 1
+      for (int q = 0; q < half_columns / 16; ++q) {
+        ScoreStagedQuad(shared_staging + q * kQuadStagingFloats, row0, q * 16,
+                        sample, sample == 0, batch_base, args, epilogue,
+                        /*use_floor=*/true);
+      }
+      ptx::NamedBarrier(epilogue_barrier, 128);
+      StoreCandidates(args, piece.tile, sample, batch_base, half_columns,
+                      thread, 128, epilogue);
     }
   }
   FinishInKernelReduce(

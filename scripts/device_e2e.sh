@@ -22,11 +22,22 @@ pid=$!
 PYTHONPATH=$root/build-device/python:$root/client/python python3 - <<'PY' 2>&1 | tee "$out/e2e.log"
 import time
 import numpy as np
-from flashsampler_client import FlashSamplerClient
+from flashsampler_client import FlashSamplerClient, UnavailableError
 
 client = FlashSamplerClient("127.0.0.1:50051", timeout=30.0, retries=8)
+
+
+def serving():
+    # The port opens only once the weights are loaded and warmed up (at
+    # TP = 8 that outlasts the client's own retries): refused = not yet.
+    try:
+        return client.health() == "SERVING"
+    except UnavailableError:
+        return False
+
+
 deadline = time.time() + 240
-while client.health() != "SERVING":
+while not serving():
     if time.time() > deadline:
         raise SystemExit("daemon never became SERVING")
     time.sleep(1)

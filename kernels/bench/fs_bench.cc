@@ -225,6 +225,7 @@ struct Variant {
   int max_batch = kMaxFusedBatch;  // only timed for batches up to this
   int stage_k = 0;
   bool split_last_round = true;
+  bool share_last_epilogue = true;
 };
 
 const char* KernelName(FusedKernel kernel) {
@@ -351,6 +352,11 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       whole.stage_k = 128;
       whole.split_last_round = false;
       variants.push_back(whole);
+      // The default tiles with the CTA's last epilogue on its owner alone
+      // (FusedSampleParams::share_last_epilogue).
+      Variant alone{"fused_wgmma_noshare", FusedKernel::kWgmma, 0};
+      alone.share_last_epilogue = false;
+      variants.push_back(alone);
       // The wider tiles with W's L2 promotion at 128 B and none (256 B is
       // their default).
       for (int block_n : {64, 128}) {
@@ -371,38 +377,39 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     // in_kernel: stage 2 inside the stage-1 kernel (the one-GPU path);
     // otherwise candidates + LaunchReduceCandidates (the tensor-parallel
     // layout).
-    auto fused_run = [&](FusedKernel kernel, int block_n, bool in_kernel,
-                         bool greedy, L2Hint hint = L2Hint::kAuto,
-                         int promotion = 0, int stage_k = 0,
-                         bool split_last_round = true) {
-      FusedSampleParams params;
-      params.weights = weights;
-      params.hidden = hidden_states;
-      params.dtype = KernelDType::kBf16;
-      params.vocab_rows = vocab;
-      params.vocab_offset = 0;
-      params.hidden_size = hidden;
-      params.batch = batch;
-      params.num_samples = 1;
-      params.inv_temperature = greedy ? zeros : inv_temperature;
-      params.seeds = seeds;
-      params.steps = steps;
-      params.candidates = in_kernel ? nullptr : candidates;
-      params.token_ids = in_kernel ? tokens : nullptr;
-      // The tensor-parallel layout prunes against the workspace too.
-      params.floor_in_workspace = !in_kernel;
-      params.kernel = kernel;
-      params.block_n = block_n;
-      params.w_l2_hint = hint;
-      params.w_l2_promotion = promotion;
-      params.w_stage_k = stage_k;
-      params.split_last_round = split_last_round;
-      cudaError_t error =
-          LaunchFusedSample(params, workspace, workspace_bytes, stream);
-      if (error != cudaSuccess || in_kernel) return error;
-      return LaunchReduceCandidates(candidates, tiles, 1, batch, tokens,
-                                    nullptr, stream);
-    };
+    auto fused_run =
+        [&](FusedKernel kernel, int block_n, bool in_kernel, bool greedy,
+            L2Hint hint = L2Hint::kAuto, int promotion = 0, int stage_k = 0,
+            bool split_last_round = true, bool share_last_epilogue = true) {
+          FusedSampleParams params;
+          params.weights = weights;
+          params.hidden = hidden_states;
+          params.dtype = KernelDType::kBf16;
+          params.vocab_rows = vocab;
+          params.vocab_offset = 0;
+          params.hidden_size = hidden;
+          params.batch = batch;
+          params.num_samples = 1;
+          params.inv_temperature = greedy ? zeros : inv_temperature;
+          params.seeds = seeds;
+          params.steps = steps;
+          params.candidates = in_kernel ? nullptr : candidates;
+          params.token_ids = in_kernel ? tokens : nullptr;
+          // The tensor-parallel layout prunes against the workspace too.
+          params.floor_in_workspace = !in_kernel;
+          params.kernel = kernel;
+          params.block_n = block_n;
+          params.w_l2_hint = hint;
+          params.w_l2_promotion = promotion;
+          params.w_stage_k = stage_k;
+          params.split_last_round = split_last_round;
+          params.share_last_epilogue = share_last_epilogue;
+          cudaError_t error =
+              LaunchFusedSample(params, workspace, workspace_bytes, stream);
+          if (error != cudaSuccess || in_kernel) return error;
+          return LaunchReduceCandidates(candidates, tiles, 1, batch, tokens,
+                                        nullptr, stream);
+        };
     auto fused = [&](FusedKernel kernel, int block_n) {
       return fused_run(kernel, block_n, true, false);
     };
@@ -465,7 +472,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       if (!time(variant.name, [&] {
             return fused_run(variant.kernel, variant.block_n, true, false,
                              variant.hint, variant.promotion, variant.stage_k,
-                             variant.split_last_round);
+                             variant.split_last_round,
+                             variant.share_last_epilogue);
           })) {
         // A failed variant must not cost the rest of the run: note it,
         // clear a non-sticky error and go on (a sticky one fails next).

@@ -56,6 +56,7 @@ struct LaunchSpec {
   int block_n = 0;
   int stage_k = 0;
   bool split_last_round = true;
+  bool share_last_epilogue = true;
   bool want_logits = false;
 };
 
@@ -103,6 +104,7 @@ struct LaunchOutput {
   params.block_n = spec.block_n;
   params.w_stage_k = spec.stage_k;
   params.split_last_round = spec.split_last_round;
+  params.share_last_epilogue = spec.share_last_epilogue;
   cudaError_t error = LaunchFusedSample(params, nullptr, 0, nullptr);
   if (error != cudaSuccess) {
     return ::testing::AssertionFailure()
@@ -397,7 +399,9 @@ TEST(FusedSamplerGpuTest, SanitizerSmallCase) {
 // fused_sampler_wgmma.cuh). Here the vocabulary is SMs + 3 tiles, the last
 // one ragged, so that every batch of 65..256 rows (block_n 128) ends in such
 // a round: 3 or 6 items on a grid of SMs. Logits and tokens must be exact,
-// with the split and without it. Small enough for compute-sanitizer.
+// with the split and without it, and with the CTA's last piece scored by
+// both consumers (the default, in every other test too) and by its owner
+// alone. Small enough for compute-sanitizer.
 TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
   FS_SKIP_WITHOUT_GPU();
   if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
@@ -428,17 +432,24 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
   Problem problem;
   ASSERT_TRUE(MakeProblem(weights, hidden, vocab, kHidden, KernelDType::kBf16,
                           inv_t, seeds, steps, &problem));
+  struct Schedule {
+    bool split;
+    bool share;
+  };
   for (int batch : {65, 128, 200, 256}) {
-    for (bool split : {true, false}) {
-      SCOPED_TRACE(::testing::Message() << "batch " << batch << " split "
-                                        << split << " SMs " << sms);
+    for (Schedule schedule :
+         {Schedule{true, true}, Schedule{false, true}, Schedule{true, false}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "batch " << batch << " split " << schedule.split
+                   << " share " << schedule.share << " SMs " << sms);
       LaunchSpec spec;
       spec.batch = batch;
       spec.num_samples = kSamples;
       spec.vocab_offset = kOffset;
       spec.kernel = FusedKernel::kWgmma;
       spec.block_n = 128;
-      spec.split_last_round = split;
+      spec.split_last_round = schedule.split;
+      spec.share_last_epilogue = schedule.share;
       spec.want_logits = true;
       LaunchOutput out;
       ASSERT_TRUE(RunFused(problem, spec, &out));
