@@ -681,10 +681,12 @@ __device__ __forceinline__ void FinishInKernelReduce(
   const int pairs = args.num_samples * args.batch;
   for (int i = thread; i < pairs; i += num_threads) {
     const unsigned long long key = atomicExch(&args.keys[i], 0ull);
-    if (args.token_ids == nullptr) continue;  // keys were only a floor
     const Candidate best =
         key == 0 ? Candidate{-__int_as_float(0x7f800000), kNoToken}
                  : UnpackCandidate(key);
+    // [n][batch], the layout of one tile's candidates: i itself.
+    if (args.shard_winners != nullptr) args.shard_winners[i] = best;
+    if (args.token_ids == nullptr) continue;  // no stage 2 on this GPU
     const int sample = i / args.batch;
     const int b = i % args.batch;
     args.token_ids[b * args.num_samples + sample] = best.token_id;

@@ -211,7 +211,8 @@ FusedKernel FusedSampleResolveKernel(FusedKernel requested) {
 
 cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                               size_t workspace_bytes, cudaStream_t stream) {
-  const bool reduce_in_kernel = params.token_ids != nullptr;
+  const bool reduce_in_kernel =
+      params.token_ids != nullptr || params.shard_winners != nullptr;
   // The workspace's keys: the in-kernel stage 2, or (tensor parallel) only a
   // pruning floor next to per-tile candidates.
   const bool use_keys =
@@ -265,6 +266,7 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
           : nullptr;
   args.token_ids = params.token_ids;
   args.winning_scores = params.winning_scores;
+  args.shard_winners = params.shard_winners;
   args.split_last_round = params.split_last_round;
   args.share_last_epilogue = params.share_last_epilogue;
   // W streams through L2 once, unless a second batch tile re-reads it.

@@ -58,6 +58,13 @@ struct FusedSampleParams {
   // a workspace must be stream-ordered.
   int32_t* token_ids = nullptr;
   float* winning_scores = nullptr;
+  // Optional, tensor parallel: the shard's best candidate per (sample, row),
+  // [num_samples][batch] -- what LaunchReduceCandidates over this shard's
+  // tiles would keep -- written by the in-kernel stage 2 (same workspace and
+  // num_samples <= 64 as token_ids). May point into a peer GPU's memory:
+  // the reducing rank then reduces one candidate per shard instead of one
+  // per tile. Without candidates, token_ids may be null.
+  Candidate* shard_winners = nullptr;
   // With candidates and no token_ids (tensor parallel): also keep each row's
   // best published candidate in the workspace (as token_ids needs it), so
   // that tiles skip the tokens that cannot beat it (docs/perf/
@@ -97,6 +104,9 @@ struct FusedSampleParams {
 };
 
 constexpr int kMaxFusedBatch = 256;
+// Samples per row up to which the in-kernel stage 2 (token_ids,
+// shard_winners) and the workspace's pruning floor work.
+constexpr int kMaxFusedInKernelSamples = 64;
 
 // Vocabulary rows per stage-1 tile; each tile emits one candidate per
 // (sample, row). Fixed for all batch sizes so that nothing about a row's

@@ -35,13 +35,15 @@ struct FusedArgs {
   Candidate* candidates;         // optional [num_tiles][n][batch]
   float* logits_out;             // optional [batch, vocab_rows]
   // In-kernel stage 2 (all null when off): packed per-(sample, row) winners
-  // [n][batch], zero between launches; the arrival counter; the outputs.
+  // [n][batch], zero between launches; the arrival counter; the outputs
+  // (token ids, and/or the shard's winners for a tensor-parallel reduce).
   // With per-tile candidates, keys and counter alone: the pruning floor
   // (FusedSampleParams::floor_in_workspace), token_ids null.
   unsigned long long* keys;
   unsigned int* counter;
   int32_t* token_ids;        // [batch][n]
   float* winning_scores;     // optional [batch][n]
+  Candidate* shard_winners;  // optional [n][batch]
   uint64_t w_cache_hint;     // TMA L2 hint for W (wgmma path)
   bool split_last_round;     // wgmma path (FusedSampleParams)
   bool share_last_epilogue;  // wgmma path (FusedSampleParams)
@@ -49,7 +51,7 @@ struct FusedArgs {
 
 // Workspace of the in-kernel stage 2: the counter, then the keys.
 constexpr size_t kWorkspaceCounterBytes = 256;
-constexpr int kMaxInKernelReduceSamples = 64;
+constexpr int kMaxInKernelReduceSamples = kMaxFusedInKernelSamples;
 
 // Typed launchers; T is __nv_bfloat16 or __half. Defined in the
 // fused_sampler_{mma,wgmma}_{bf16,fp16}.cu instantiation files.

@@ -605,6 +605,13 @@ cudaError_t TpExchange::AfterStageOne(int rank, cudaStream_t stream,
 
 cudaError_t TpExchange::Reduce(int batch, int num_samples, int32_t* token_ids,
                                float* winning_scores, cudaStream_t stream) {
+  return ReduceOver(layout_.total_tiles, batch, num_samples, token_ids,
+                    winning_scores, stream);
+}
+
+cudaError_t TpExchange::ReduceOver(int64_t tiles, int batch, int num_samples,
+                                   int32_t* token_ids, float* winning_scores,
+                                   cudaStream_t stream) {
   if (batch < 1 || batch > options_.max_batch || num_samples < 1 ||
       num_samples > options_.max_samples || token_ids == nullptr) {
     return cudaErrorInvalidValue;
@@ -613,9 +620,8 @@ cudaError_t TpExchange::Reduce(int batch, int num_samples, int32_t* token_ids,
   // Rank 0 reads its own buffer through its ordinary pointer.
   const Candidate* candidates =
       static_cast<const Candidate*>(buffers_[0]) + slot() * slot_candidates_;
-  cudaError_t err =
-      LaunchReduceCandidates(candidates, layout_.total_tiles, num_samples,
-                             batch, token_ids, winning_scores, stream);
+  cudaError_t err = LaunchReduceCandidates(
+      candidates, tiles, num_samples, batch, token_ids, winning_scores, stream);
   if (err != cudaSuccess) return err;
   if (options_.transport == TpTransport::kCudaPeer) {
     err = cudaEventRecord(reduced_[slot()], stream);
@@ -651,11 +657,27 @@ cudaError_t TpExchange::Step(const std::vector<FusedSampleParams>& params,
       return cudaErrorInvalidValue;
     }
   }
+  // With every rank's workspace, a rank's stage 1 keeps its best candidate
+  // per (sample, row) there anyway (the pruning floor); its last CTA then
+  // sends only those (FusedSampleParams::shard_winners), and rank 0 reduces
+  // one candidate per rank instead of one per tile (1187 at V = 151936).
+  bool shard_winners =
+      options_.send_shard_winners && num_samples <= kMaxFusedInKernelSamples;
+  for (int r = 0; r < n; ++r) {
+    shard_winners = shard_winners && workspaces[r] != nullptr;
+  }
   for (int r = 0; r < n; ++r) {
     cudaError_t err = BeforeStageOne(r, streams[r]);
     if (err != cudaSuccess) return err;
     FusedSampleParams p = params[r];
-    p.candidates = StageOneOutput(r, batch, num_samples);
+    // A rank's winners take the place of a tile: [rank][n][batch].
+    Candidate* output = StageOneOutput(r, batch, num_samples);
+    if (shard_winners) {
+      output = remote_base_[r] + slot() * slot_candidates_ +
+               static_cast<int64_t>(r) * num_samples * batch;
+    }
+    p.candidates = shard_winners ? nullptr : output;
+    p.shard_winners = shard_winners ? output : nullptr;
     p.token_ids = nullptr;
     p.floor_in_workspace = workspaces[r] != nullptr;
     {
@@ -666,7 +688,8 @@ cudaError_t TpExchange::Step(const std::vector<FusedSampleParams>& params,
     err = AfterStageOne(r, streams[r], streams[0]);
     if (err != cudaSuccess) return err;
   }
-  return Reduce(batch, num_samples, token_ids, winning_scores, streams[0]);
+  return ReduceOver(shard_winners ? n : layout_.total_tiles, batch, num_samples,
+                    token_ids, winning_scores, streams[0]);
 }
 
 TpBarrierResult TpExchange::status() const {

@@ -114,6 +114,9 @@ struct TpExchangeOptions {
   // resident when stage 1's last block exits (saves the ~3 us launch gap);
   // it still waits for stage 1 to complete and flush before it arrives.
   bool programmatic_launch = true;
+  // Step sends each rank's shard winners where it can (see Step); false
+  // always sends every tile's candidate (the benchmark's comparison).
+  bool send_shard_winners = true;
 };
 
 // The exchange for one TpLayout. Double-buffered: step k uses slot k % 2, so a
@@ -167,11 +170,15 @@ class TpExchange {
   cudaError_t Reduce(int batch, int num_samples, int32_t* token_ids,
                      float* winning_scores, cudaStream_t stream);
 
-  // One whole step. params[r] describes rank r's shard (its `candidates` is
-  // ignored and replaced by StageOneOutput); workspaces[r] is null or holds
+  // One whole step. params[r] describes rank r's shard (its outputs are
+  // ignored and replaced); workspaces[r] is null or holds
   // FusedSampleWorkspaceSize bytes on rank r's GPU, zero-filled once: then
   // rank r's tiles prune against its best candidate so far
-  // (FusedSampleParams::floor_in_workspace).
+  // (FusedSampleParams::floor_in_workspace). With every rank's workspace
+  // and num_samples <= kMaxFusedInKernelSamples, each rank sends only its
+  // shard's winners (FusedSampleParams::shard_winners) and rank 0 reduces
+  // those; otherwise every tile's candidates, as in the manual sequence
+  // above.
   cudaError_t Step(const std::vector<FusedSampleParams>& params,
                    const std::vector<void*>& workspaces,
                    const std::vector<size_t>& workspace_bytes,
@@ -189,6 +196,11 @@ class TpExchange {
  private:
   TpExchange() = default;
   int slot() const { return static_cast<int>(step_ & 1); }
+  // Reduce over the current slot's first `tiles` groups of [n][batch]
+  // candidates (tiles, or one group per rank's winners), then the next slot.
+  cudaError_t ReduceOver(int64_t tiles, int batch, int num_samples,
+                         int32_t* token_ids, float* winning_scores,
+                         cudaStream_t stream);
   TpStatus InitNccl();
   TpStatus InitPeer();
 

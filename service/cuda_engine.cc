@@ -469,10 +469,11 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
                                    workspace_bytes_, streams[0]),
                  "LaunchFusedSample");
   }
-  // Every rank's stage 1 streams its tiles' candidates into rank 0's buffer
-  // (pruning against its own best so far), the exchange's barrier (or
-  // events) orders them before stage 2 on rank 0. The exchange is
-  // double-buffered, so the next chunk may start before this one's stage 2.
+  // Every rank's stage 1 sends its shard's best candidate per row into rank
+  // 0's buffer (pruning against its own best so far), the exchange's
+  // barrier (or events) orders them before stage 2 on rank 0. The exchange
+  // is double-buffered, so the next chunk may start before this one's stage
+  // 2.
   const cudaError_t error = slot.exchange->Step(
       all_params, workspaces, workspace_bytes, streams, tokens, nullptr);
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));

@@ -56,7 +56,8 @@ struct Flags {
   int warmup = 10;
   std::vector<int> devices = {0, 1};
   std::string split = "even";
-  std::vector<std::string> modes = {"tp1", "nccl", "peer", "allgather"};
+  std::vector<std::string> modes = {"tp1", "nccl", "tiles", "peer",
+                                    "allgather"};
   std::string csv = "tp_bench.csv";
   std::string kernel = "auto";
 };
@@ -80,7 +81,7 @@ void Usage() {
       "usage: fs_tp_bench [--batches=1,16,64,256] [--vocab=128256]\n"
       "  [--hidden=8192] [--runs=5] [--calls=100] [--warmup=10]\n"
       "  [--devices=0,1] [--split=even|60:40] [--kernel=auto|mma|wgmma]\n"
-      "  [--modes=tp1,nccl,peer,allgather] [--csv=tp_bench.csv]\n");
+      "  [--modes=tp1,nccl,tiles,peer,allgather] [--csv=tp_bench.csv]\n");
 }
 
 bool ParseFlags(int argc, char** argv, Flags* f) {
@@ -398,17 +399,27 @@ int Main(int argc, char** argv) {
            flags.modes.end();
   };
   std::unique_ptr<TpComms> comms;
-  std::unique_ptr<TpExchange> nccl_ex, peer_ex;
+  std::unique_ptr<TpExchange> nccl_ex, nccl_tiles_ex, peer_ex;
   std::unique_ptr<AllGatherBaseline> baseline;
   TpExchangeOptions ex_options;
   ex_options.max_batch = kMaxFusedBatch;
-  if (ranks > 1 && (has_mode("nccl") || has_mode("allgather"))) {
+  if (ranks > 1 &&
+      (has_mode("nccl") || has_mode("tiles") || has_mode("allgather"))) {
     BENCH_CHECK_TP(TpComms::Create(devices, &comms));
   }
   if (ranks > 1 && has_mode("nccl")) {
     ex_options.transport = TpTransport::kNcclDevice;
     BENCH_CHECK_TP(
         TpExchange::Create(devices, comms.get(), layout, ex_options, &nccl_ex));
+  }
+  if (ranks > 1 && has_mode("tiles")) {
+    // The NCCL exchange as before session 4: every tile's candidate to rank
+    // 0 instead of each rank's winners.
+    TpExchangeOptions tiles_options = ex_options;
+    tiles_options.transport = TpTransport::kNcclDevice;
+    tiles_options.send_shard_winners = false;
+    BENCH_CHECK_TP(TpExchange::Create(devices, comms.get(), layout,
+                                      tiles_options, &nccl_tiles_ex));
   }
   if (ranks > 1 && has_mode("peer")) {
     ex_options.transport = TpTransport::kCudaPeer;
@@ -461,14 +472,16 @@ int Main(int argc, char** argv) {
       tokens[r] = shard[r].tokens;
     }
     const std::string tp_name = "tp" + std::to_string(ranks);
-    for (TpExchange* ex : {nccl_ex.get(), peer_ex.get()}) {
+    for (TpExchange* ex : {nccl_ex.get(), nccl_tiles_ex.get(), peer_ex.get()}) {
       if (ex == nullptr) continue;
       auto step = [&]() {
         BENCH_CHECK_CUDA(ex->Step(params, workspaces, workspace_bytes, streams,
                                   shard[0].tokens, nullptr));
       };
       Row row;
-      row.mode = tp_name + "_fused_" + TpTransportName(ex->options().transport);
+      row.mode = tp_name + "_fused_" +
+                 TpTransportName(ex->options().transport) +
+                 (ex->options().send_shard_winners ? "" : "_tiles");
       row.tp = ranks;
       row.batch = batch;
       row.t = TimeRuns(step, devices, streams, flags.warmup, flags.runs,
@@ -549,6 +562,7 @@ int Main(int argc, char** argv) {
   }
   baseline.reset();
   nccl_ex.reset();
+  nccl_tiles_ex.reset();
   peer_ex.reset();
   comms.reset();
   if (fused_mismatches != 0) {

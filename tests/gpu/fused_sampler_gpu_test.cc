@@ -65,10 +65,12 @@ struct LaunchOutput {
   std::vector<float> logits;    // [batch][vocab] when asked for
 };
 
-// Stage 1 + stage 2 over rows of `problem`, twice: with candidates and
-// LaunchReduceCandidates (the tensor-parallel layout), and with the
-// in-kernel stage 2 (token_ids); both must give the same tokens. Scratch is
-// allocated per call (tests only: the engine allocates once).
+// Stage 1 + stage 2 over rows of `problem`, three ways: with candidates and
+// LaunchReduceCandidates (the tensor-parallel tile layout), with the
+// in-kernel stage 2 (token_ids), and with the shard's winners
+// (shard_winners, the tensor-parallel winner layout) reduced as one tile;
+// all must give the same tokens. Scratch is allocated per call (tests only:
+// the engine allocates once).
 ::testing::AssertionResult RunFused(const Problem& problem,
                                     const LaunchSpec& spec, LaunchOutput* out) {
   const int64_t tiles = FusedSampleNumTiles(problem.vocab);
@@ -78,10 +80,14 @@ struct LaunchOutput {
   DeviceArray<int32_t> tokens(static_cast<size_t>(spec.num_samples) *
                               spec.batch);
   DeviceArray<int32_t> in_kernel_tokens(tokens.count());
+  DeviceArray<Candidate> winners(static_cast<size_t>(spec.num_samples) *
+                                 spec.batch);
+  DeviceArray<int32_t> winner_tokens(tokens.count());
   DeviceArray<char> workspace(workspace_bytes);
   DeviceArray<float> logits(spec.want_logits ? problem.vocab * spec.batch : 1);
   if (!candidates.ok() || !tokens.ok() || !logits.ok() ||
-      !in_kernel_tokens.ok() || !workspace.ok() ||
+      !in_kernel_tokens.ok() || !winners.ok() || !winner_tokens.ok() ||
+      !workspace.ok() ||
       cudaMemset(workspace.get(), 0, workspace_bytes) != cudaSuccess) {
     return ::testing::AssertionFailure() << "cudaMalloc failed";
   }
@@ -130,15 +136,33 @@ struct LaunchOutput {
              << cudaGetErrorString(error);
     }
   }
+  FusedSampleParams shard = in_kernel;
+  shard.token_ids = nullptr;
+  shard.shard_winners = winners.get();
+  error = LaunchFusedSample(shard, workspace.get(), workspace_bytes, nullptr);
+  if (error != cudaSuccess) {
+    return ::testing::AssertionFailure()
+           << "LaunchFusedSample (shard winners): "
+           << cudaGetErrorString(error);
+  }
+  error = LaunchReduceCandidates(winners.get(), 1, spec.num_samples, spec.batch,
+                                 winner_tokens.get(), nullptr, nullptr);
+  if (error != cudaSuccess) {
+    return ::testing::AssertionFailure()
+           << "LaunchReduceCandidates (shard winners): "
+           << cudaGetErrorString(error);
+  }
   error = cudaDeviceSynchronize();
   if (error != cudaSuccess) {
     return ::testing::AssertionFailure()
            << "kernel failed: " << cudaGetErrorString(error);
   }
   std::vector<int32_t> in_kernel_result;
+  std::vector<int32_t> winner_result;
   if (tokens.Download(&out->tokens, tokens.count()) != cudaSuccess ||
       in_kernel_tokens.Download(&in_kernel_result, tokens.count()) !=
           cudaSuccess ||
+      winner_tokens.Download(&winner_result, tokens.count()) != cudaSuccess ||
       (spec.want_logits &&
        logits.Download(&out->logits, problem.vocab * spec.batch) !=
            cudaSuccess)) {
@@ -148,6 +172,11 @@ struct LaunchOutput {
     return ::testing::AssertionFailure()
            << "the in-kernel stage 2 gave other tokens than "
               "LaunchReduceCandidates";
+  }
+  if (winner_result != out->tokens) {
+    return ::testing::AssertionFailure()
+           << "the shard's winners gave other tokens than its tiles' "
+              "candidates";
   }
   return ::testing::AssertionSuccess();
 }

@@ -273,7 +273,10 @@ class TpRunner {
     comms_.reset();
   }
 
-  void Run(const Batch& batch, std::vector<int32_t>* tokens) {
+  // with_workspaces: ranks prune against their best so far and send only
+  // their winners (TpExchange::Step); without: every tile's candidate.
+  void Run(const Batch& batch, std::vector<int32_t>* tokens,
+           bool with_workspaces = true) {
     const int n = layout_.num_ranks();
     std::vector<FusedSampleParams> params(n);
     std::vector<void*> workspaces(n);
@@ -284,8 +287,9 @@ class TpRunner {
       params[r] =
           ParamsFor(*ranks_[r], layout_.shards[r].vocab_rows,
                     layout_.shards[r].vocab_offset, problem_->hidden, batch);
-      workspaces[r] = ranks_[r]->workspace.get<void>();
-      workspace_bytes[r] = ranks_[r]->workspace_bytes;
+      workspaces[r] =
+          with_workspaces ? ranks_[r]->workspace.get<void>() : nullptr;
+      workspace_bytes[r] = with_workspaces ? ranks_[r]->workspace_bytes : 0;
       streams[r] = ranks_[r]->stream;
     }
     ASSERT_CUDA(exchange_->Step(params, workspaces, workspace_bytes, streams,
@@ -393,7 +397,9 @@ TEST_P(TpInvarianceTest, TokensEqualTp1Exactly) {
         RandomBatch(batch_rows, c.num_samples, problem.hidden, &rng);
     std::vector<int32_t> expected, got;
     ASSERT_NO_FATAL_FAILURE(tp1.Run(batch, &expected));
-    ASSERT_NO_FATAL_FAILURE(tp.Run(batch, &got));
+    // Every third step sends every tile's candidate instead of the ranks'
+    // winners (no workspaces): both exchanges, through the same two slots.
+    ASSERT_NO_FATAL_FAILURE(tp.Run(batch, &got, step % 3 != 2));
     ASSERT_EQ(got.size(), expected.size());
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_GE(expected[i], 0);
