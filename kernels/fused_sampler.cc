@@ -109,14 +109,21 @@ cudaError_t EncodeTensorMap(
 // noise epilogue; qwen's TP8 shard at B = 128: 71 vs 86 us). On the full
 // vocabularies (7.6-9 tiles per SM) 128 was as fast (qwen) or 10% faster
 // (llama) in session 2's runs (docs/perf/fused_kernel_attempts.md, attempt
-// 19).
+// 19). B = 129..256: 64-wide tiles only where the 128-wide ones would give
+// each SM at most 2.5 items and D <= 4096, so that the last item's noise
+// epilogue weighs most (qwen's TP8 shard at B = 256: 102-105 vs 111-117 us
+// in three runs of 2026-11-22; V = 16896: 85-88 vs 91-97); at D = 8192
+// (llama's TP8 shard) and from 4 items per SM the 128-wide tile was faster
+// (attempt 21).
 int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
-                  int multiprocessors) {
+                  int hidden_size, int multiprocessors) {
   if (batch <= 16) return 16;
   if (batch <= 32 && path == FusedKernel::kWgmma) return 16;
   if (batch <= 64 || path == FusedKernel::kMmaSync) return 64;
-  if (batch <= 128 &&
-      FusedSampleNumTiles(vocab_rows) <= 5 * int64_t{multiprocessors}) {
+  const int64_t tiles = FusedSampleNumTiles(vocab_rows);
+  if (batch <= 128 && tiles <= 5 * int64_t{multiprocessors}) return 64;
+  const int64_t items_of_128 = tiles * ((batch + 127) / 128);
+  if (hidden_size <= 4096 && 2 * items_of_128 <= 5 * int64_t{multiprocessors}) {
     return 64;
   }
   return 128;
@@ -241,10 +248,11 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
     return cudaErrorInvalidValue;
   }
   const FusedKernel path = FusedSampleResolveKernel(params.kernel);
-  const int block_n = params.block_n != 0
-                          ? params.block_n
-                          : DefaultBlockN(path, params.batch, params.vocab_rows,
-                                          MultiprocessorCount());
+  const int block_n =
+      params.block_n != 0
+          ? params.block_n
+          : DefaultBlockN(path, params.batch, params.vocab_rows,
+                          params.hidden_size, MultiprocessorCount());
   FusedArgs args;
   args.weights = params.weights;
   args.hidden = params.hidden;
