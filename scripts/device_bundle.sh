@@ -25,18 +25,28 @@ binaries=(
   "$build/tests/gpu/cuda_engine_gpu_test"
   "$build/kernels/bench/fs_bench"
 )
-# Optional extras: bundled when they build, skipped (with a note) otherwise.
+# Optional extras: skipped (with a note) where the configure step left them
+# out (no gRPC for the daemon, no NCCL for the tensor-parallel ones); a
+# defined target that fails to compile fails the bundle, so that a broken
+# test cannot silently drop out of the device run.
 optional=()
 if [[ ${FS_BUNDLE_DAEMON:-1} == 1 ]]; then
   optional+=(flashsamplerd)
 fi
 optional+=(fs_tp_bench tp_gpu_test)
+targets=$(cmake --build "$build" --target help 2>/dev/null)
 for target in "${optional[@]}"; do
-  if cmake --build "$build" --target "$target" -j2 >"$build/$target.log" 2>&1; then
-    binaries+=("$(find "$build" -type f -name "$target" -perm -u+x | head -1)")
-  else
-    echo "device_bundle: $target did not build (see $build/$target.log); bundling without it" >&2
+  if ! grep -qE "^\.\.\. $target( |$)" <<<"$targets"; then
+    echo "device_bundle: no $target target in this configuration; bundling without it" >&2
+    continue
   fi
+  if ! cmake --build "$build" --target "$target" -j2 >"$build/$target.log" 2>&1; then
+    echo "device_bundle: $target did not build:" >&2
+    grep -E "error|Error" "$build/$target.log" | head -20 >&2
+    echo "device_bundle: full log in $build/$target.log" >&2
+    exit 1
+  fi
+  binaries+=("$(find "$build" -type f -name "$target" -perm -u+x | head -1)")
 done
 
 staging=$build/bundle_staging
