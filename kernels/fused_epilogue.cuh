@@ -228,9 +228,10 @@ __device__ __forceinline__ void LoadColumnParams(const FusedArgs& args,
 // Loads, per batch column, the score of the best candidate any CTA has
 // published so far for (sample, row) into the in-kernel stage-2 keys. The
 // final winner scores at least that much, so a token whose score is bounded
-// below it cannot win (PruneBounds). Every key is also written out as a
-// tile candidate (StoreCandidates), so a tile pruned against it may report a
-// dominated candidate without changing the reduction. Keys are zero at the
+// below it cannot win (PruneBounds). Where per-tile candidates are written
+// (StoreCandidates), every key is also one of them, so a tile pruned
+// against it may report a dominated candidate without changing the
+// reduction; without them the keys are the reduction. Keys are zero at the
 // start of every launch (the last CTA re-zeroes them), and every non-zero
 // key is a real candidate of this launch; a stale read is still a valid
 // floor since keys only grow.

@@ -116,9 +116,9 @@ int FusedSampleTileRows();
 // Number of stage-1 tiles (candidates per row and sample) for a shard.
 int64_t FusedSampleNumTiles(int64_t vocab_rows);
 
-// Bytes of device scratch a launch with token_ids or floor_in_workspace set
-// needs (none without): a counter and one 64-bit key per (sample, row), up
-// to 64 samples.
+// Bytes of device scratch a launch with token_ids, shard_winners or
+// floor_in_workspace set needs (none without): a counter and one 64-bit key
+// per (sample, row), for num_samples <= kMaxFusedInKernelSamples.
 size_t FusedSampleWorkspaceSize(int batch, int64_t vocab_rows, int hidden_size);
 
 // The path kAuto resolves to on the current device (kMmaSync or kWgmma).
@@ -126,9 +126,11 @@ FusedKernel FusedSampleResolveKernel(FusedKernel requested);
 
 // Stage 1. Returns cudaErrorInvalidValue for unsupported shapes (hidden not a
 // multiple of 64, batch outside 1..kMaxFusedBatch, null or misaligned
-// pointers: weights and hidden must be 16-byte aligned; neither candidates
-// nor token_ids; token_ids or floor_in_workspace without a large enough
-// workspace), and
+// pointers: weights and hidden must be 16-byte aligned; none of candidates,
+// token_ids and shard_winners; token_ids, shard_winners or
+// floor_in_workspace without a large enough workspace, or with
+// num_samples > kMaxFusedInKernelSamples where the in-kernel stage 2 is
+// needed), and
 // cudaErrorNotSupported for a forced path or block_n this device or build
 // lacks.
 cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,

@@ -6,13 +6,15 @@
 //
 // One CTA per SM, 384 threads: warpgroup 0 is the producer (one thread
 // issues the TMA copies; setmaxnreg gives its registers away), warpgroups
-// 1 and 2 are consumers. Each consumer owns whole items (a 128-row vocab
-// tile x kBlockN batch columns; two m64 wgmmas per k-step, kBlockN fp32
-// accumulators per thread) and the two alternate: consumer 1 starts item
-// j+1 once consumer 0 has received the last stage of item j, so one
-// consumer's epilogue (the noise, pruned exactly: fused_epilogue.cuh) runs
-// while the other's wgmmas run, and the producer streams W across item
-// boundaries without draining the ring.
+// 1 and 2 are consumers. Each consumer multiplies whole pieces (an item: a
+// 128-row vocab tile x kBlockN batch columns, or half of one in a split
+// last round; two m64 wgmmas per k-step, kBlockN fp32 accumulators per
+// thread) and the two alternate: consumer 1 starts piece j+1 once consumer 0
+// has received the last stage of piece j, so one consumer's epilogue (the
+// noise, pruned exactly: fused_epilogue.cuh) runs while the other's wgmmas
+// run, and the producer streams W across piece boundaries without draining
+// the ring. Only the CTA's last piece is scored by both consumers (its
+// owner hands half of its columns to the other through shared memory).
 //
 // Items go round-robin to the persistent CTAs (WorkSchedule). Where the
 // last round would leave more than half the SMs idle, its 128-wide items
@@ -227,7 +229,8 @@ __global__ void __launch_bounds__(384, 1)
   // attempt 20). Its owner stages the accumulators of the piece's second
   // half of columns in the drained ring, and the other consumer, done with
   // its own pieces by then, scores those while the owner scores the first
-  // half. From 32 columns a piece up (kBlockN 16 has a short epilogue).
+  // half. For kBlockN >= 64 (pieces of 32 columns and up; kBlockN 16 has
+  // a short epilogue).
   constexpr bool kShareLastEpilogue = kBlockN >= 64;
   // Staged quads (16 columns) per warp: half of the widest piece.
   constexpr int kSharedQuads = kBlockN / 32;
@@ -389,9 +392,9 @@ __global__ void __launch_bounds__(384, 1)
       if (pieces >= 2) ptx::NamedBarrier(kRingDrainedBarrier, 256);
       float* shared_staging = reinterpret_cast<float*>(smem_a) +
                               warp * kSharedQuads * kQuadStagingFloats;
-      // Compile-time quad numbers (a run-time one here made ptxas spill
-      // the accumulators): quads kSharedQuads.. of a whole piece, or
-      // kSharedQuads / 2.. of a half piece.
+      // Quad kSharedQuads + q of a whole piece, or kSharedQuads / 2 + q of
+      // a half piece: a select between two unrolled constants (an index
+      // computed from own_columns here made ptxas spill the accumulators).
 #pragma unroll
       for (int q = 0; q < kSharedQuads; ++q) {
         if (q < own_columns / 16) {

@@ -567,6 +567,12 @@ Candidate* TpExchange::StageOneOutput(int rank, int batch,
          layout_.CandidateOffset(rank, num_samples, batch);
 }
 
+Candidate* TpExchange::ShardWinnersOutput(int rank, int batch,
+                                          int num_samples) const {
+  return remote_base_[rank] + slot() * slot_candidates_ +
+         static_cast<int64_t>(rank) * num_samples * batch;
+}
+
 cudaError_t TpExchange::BeforeStageOne(int rank, cudaStream_t stream) {
   if (rank < 0 || rank >= num_ranks()) return cudaErrorInvalidValue;
   if (options_.transport != TpTransport::kCudaPeer) return cudaSuccess;
@@ -609,7 +615,7 @@ cudaError_t TpExchange::Reduce(int batch, int num_samples, int32_t* token_ids,
                     winning_scores, stream);
 }
 
-cudaError_t TpExchange::ReduceOver(int64_t tiles, int batch, int num_samples,
+cudaError_t TpExchange::ReduceOver(int64_t groups, int batch, int num_samples,
                                    int32_t* token_ids, float* winning_scores,
                                    cudaStream_t stream) {
   if (batch < 1 || batch > options_.max_batch || num_samples < 1 ||
@@ -620,8 +626,9 @@ cudaError_t TpExchange::ReduceOver(int64_t tiles, int batch, int num_samples,
   // Rank 0 reads its own buffer through its ordinary pointer.
   const Candidate* candidates =
       static_cast<const Candidate*>(buffers_[0]) + slot() * slot_candidates_;
-  cudaError_t err = LaunchReduceCandidates(
-      candidates, tiles, num_samples, batch, token_ids, winning_scores, stream);
+  cudaError_t err =
+      LaunchReduceCandidates(candidates, groups, num_samples, batch, token_ids,
+                             winning_scores, stream);
   if (err != cudaSuccess) return err;
   if (options_.transport == TpTransport::kCudaPeer) {
     err = cudaEventRecord(reduced_[slot()], stream);
@@ -666,16 +673,14 @@ cudaError_t TpExchange::Step(const std::vector<FusedSampleParams>& params,
   for (int r = 0; r < n; ++r) {
     shard_winners = shard_winners && workspaces[r] != nullptr;
   }
+  last_step_sent_winners_ = shard_winners;
   for (int r = 0; r < n; ++r) {
     cudaError_t err = BeforeStageOne(r, streams[r]);
     if (err != cudaSuccess) return err;
     FusedSampleParams p = params[r];
-    // A rank's winners take the place of a tile: [rank][n][batch].
-    Candidate* output = StageOneOutput(r, batch, num_samples);
-    if (shard_winners) {
-      output = remote_base_[r] + slot() * slot_candidates_ +
-               static_cast<int64_t>(r) * num_samples * batch;
-    }
+    Candidate* output = shard_winners
+                            ? ShardWinnersOutput(r, batch, num_samples)
+                            : StageOneOutput(r, batch, num_samples);
     p.candidates = shard_winners ? nullptr : output;
     p.shard_winners = shard_winners ? output : nullptr;
     p.token_ids = nullptr;

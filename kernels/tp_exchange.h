@@ -148,6 +148,12 @@ class TpExchange {
 
   const TpLayout& layout() const { return layout_; }
   const TpExchangeOptions& options() const { return options_; }
+  // TpExchangeOptions::send_shard_winners, from the next Step on (the two
+  // exchanges share the slots, so steps may alternate between them).
+  void set_send_shard_winners(bool send) { options_.send_shard_winners = send; }
+  // Whether the last Step sent the ranks' shard winners (false: every tile's
+  // candidate).
+  bool last_step_sent_winners() const { return last_step_sent_winners_; }
   int num_ranks() const { return layout_.num_ranks(); }
 
   // Where `rank`'s stage 1 of the current step writes its candidates: rank 0's
@@ -196,9 +202,14 @@ class TpExchange {
  private:
   TpExchange() = default;
   int slot() const { return static_cast<int>(step_ & 1); }
-  // Reduce over the current slot's first `tiles` groups of [n][batch]
-  // candidates (tiles, or one group per rank's winners), then the next slot.
-  cudaError_t ReduceOver(int64_t tiles, int batch, int num_samples,
+  // Where `rank`'s shard winners go when Step sends winners: the rank's
+  // [n][batch] group at index `rank` of the current slot (the groups that
+  // hold tiles' candidates otherwise).
+  Candidate* ShardWinnersOutput(int rank, int batch, int num_samples) const;
+  // Reduce over the current slot's first `groups` groups of [n][batch]
+  // candidates (one per tile, or one per rank's winners), then advance the
+  // slot.
+  cudaError_t ReduceOver(int64_t groups, int batch, int num_samples,
                          int32_t* token_ids, float* winning_scores,
                          cudaStream_t stream);
   TpStatus InitNccl();
@@ -208,6 +219,7 @@ class TpExchange {
   TpComms* comms_ = nullptr;
   TpLayout layout_;
   TpExchangeOptions options_;
+  bool last_step_sent_winners_ = false;
   int64_t slot_candidates_ = 0;  // total_tiles * max_samples * max_batch
   uint64_t step_ = 0;
 

@@ -16,10 +16,13 @@ build=${FS_DEVICE_BUILD_DIR:-$root/build-device}
 bundle=$root/.device_bundle
 max_mib=60
 
-cmake -S "$root" -B "$build" -DFS_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
+# Makefiles, whatever CMAKE_GENERATOR says: the optional targets are found
+# in their `help` listing below (Ninja's lists no executables).
+cmake -G "Unix Makefiles" -S "$root" -B "$build" -DFS_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90a \
   -DCMAKE_BUILD_TYPE=Release -DFS_WERROR=ON >/dev/null
-targets=(fused_sampler_gpu_test cuda_engine_gpu_test fs_bench)
-cmake --build "$build" --target "${targets[@]}" -j2
+required=(fused_sampler_gpu_test cuda_engine_gpu_test fs_bench)
+cmake --build "$build" --target "${required[@]}" -j2
 binaries=(
   "$build/tests/gpu/fused_sampler_gpu_test"
   "$build/tests/gpu/cuda_engine_gpu_test"
@@ -34,15 +37,17 @@ if [[ ${FS_BUNDLE_DAEMON:-1} == 1 ]]; then
   optional+=(flashsamplerd)
 fi
 optional+=(fs_tp_bench tp_gpu_test)
-targets=$(cmake --build "$build" --target help 2>/dev/null)
+# The Makefiles' target list ("... name" lines). A failing help call fails
+# the script (set -e) rather than making every optional target look absent.
+defined_targets=$(cmake --build "$build" --target help)
 for target in "${optional[@]}"; do
-  if ! grep -qE "^\.\.\. $target( |$)" <<<"$targets"; then
+  if ! grep -qE "^\.\.\. $target( |$)" <<<"$defined_targets"; then
     echo "device_bundle: no $target target in this configuration; bundling without it" >&2
     continue
   fi
   if ! cmake --build "$build" --target "$target" -j2 >"$build/$target.log" 2>&1; then
     echo "device_bundle: $target did not build:" >&2
-    grep -E "error|Error" "$build/$target.log" | head -20 >&2
+    grep -E "error|Error" "$build/$target.log" | head -20 >&2 || true
     echo "device_bundle: full log in $build/$target.log" >&2
     exit 1
   fi

@@ -273,10 +273,17 @@ class TpRunner {
     comms_.reset();
   }
 
-  // with_workspaces: ranks prune against their best so far and send only
-  // their winners (TpExchange::Step); without: every tile's candidate.
+  // The three ways TpExchange::Step can run a step.
+  enum class Exchange {
+    kShardWinners,    // workspaces: ranks prune and send only their winners
+    kTilesWithFloor,  // workspaces, but every tile's (pruned) candidate
+    kTilesNoFloor,    // no workspaces: every tile's exact candidate
+  };
+
   void Run(const Batch& batch, std::vector<int32_t>* tokens,
-           bool with_workspaces = true) {
+           Exchange exchange = Exchange::kShardWinners) {
+    const bool with_workspaces = exchange != Exchange::kTilesNoFloor;
+    exchange_->set_send_shard_winners(exchange == Exchange::kShardWinners);
     const int n = layout_.num_ranks();
     std::vector<FusedSampleParams> params(n);
     std::vector<void*> workspaces(n);
@@ -294,6 +301,11 @@ class TpRunner {
     }
     ASSERT_CUDA(exchange_->Step(params, workspaces, workspace_bytes, streams,
                                 ranks_[0]->tokens.get<int32_t>(), nullptr));
+    // Winners go out whenever they can: with workspaces and few enough
+    // samples for the in-kernel reduce.
+    ASSERT_EQ(exchange_->last_step_sent_winners(),
+              exchange == Exchange::kShardWinners &&
+                  batch.num_samples <= kMaxFusedInKernelSamples);
     for (int r = 0; r < n; ++r) {
       ASSERT_CUDA(cudaSetDevice(ranks_[r]->device));
       ASSERT_CUDA(cudaStreamSynchronize(ranks_[r]->stream));
@@ -397,9 +409,14 @@ TEST_P(TpInvarianceTest, TokensEqualTp1Exactly) {
         RandomBatch(batch_rows, c.num_samples, problem.hidden, &rng);
     std::vector<int32_t> expected, got;
     ASSERT_NO_FATAL_FAILURE(tp1.Run(batch, &expected));
-    // Every third step sends every tile's candidate instead of the ranks'
-    // winners (no workspaces): both exchanges, through the same two slots.
-    ASSERT_NO_FATAL_FAILURE(tp.Run(batch, &got, step % 3 != 2));
+    // The steps cycle through the three exchanges, through the same two
+    // slots: the ranks' winners, every tile's candidate pruned against the
+    // rank's floor, every tile's exact candidate. Three against the eight
+    // batch sizes: every size meets every exchange.
+    constexpr TpRunner::Exchange kExchanges[] = {
+        TpRunner::Exchange::kShardWinners, TpRunner::Exchange::kTilesWithFloor,
+        TpRunner::Exchange::kTilesNoFloor};
+    ASSERT_NO_FATAL_FAILURE(tp.Run(batch, &got, kExchanges[step % 3]));
     ASSERT_EQ(got.size(), expected.size());
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_GE(expected[i], 0);
