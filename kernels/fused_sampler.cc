@@ -129,6 +129,20 @@ int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
   return 128;
 }
 
+// Elements of D per wgmma ring stage when FusedSampleParams::w_stage_k is 0:
+// 128 for the 16-wide tiles (B <= 32), 64 for the wider ones. Chosen from
+// fs_bench --ab pairs (the variant against the default, call for call), not
+// from the sweep's medians, which move by several percent with a variant's
+// place in it (docs/perf/fused_kernel_attempts.md, attempt 22). Four such
+// runs on one H200 (2026-11-22): 64-deep stages on the 128-wide tiles were
+// 2.2-3.3% faster at B = 256 on qwen's full vocabulary and the qwen TP4,
+// llama TP4 and TP8 shards, 0.2-0.5% on llama's full vocabulary, and
+// 0.3-1% at B = 128; on the 16-wide tiles at B = 1 and 16 they were 0.3-1%
+// slower. Same k order for every choice: same bits.
+int DefaultWgmmaStageK(int block_n) {
+  return block_n == 16 ? 128 : kDefaultWgmmaStageK;
+}
+
 // Multiprocessors of the current device (the persistent grid), cached.
 int MultiprocessorCount() {
   static std::atomic<int> cache[kMaxDevices];
@@ -327,15 +341,8 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                           static_cast<uint64_t>(params.batch),
                           static_cast<uint32_t>(block_n));
   if (error != cudaSuccess) return error;
-  // 128-deep stages for the 128-wide tiles: faster at B = 256 in the last
-  // two device runs (qwen 754 vs 763 us, 785 vs 802; llama 1105 vs 1135,
-  // 1138 vs 1206), within noise at B = 128. And for the 16-wide tiles
-  // (B <= 16): fused_wgmma_n16_k128 was 1-2.6% faster than the 64-deep
-  // default at every B <= 16 of both configs in the 04:55 UTC run
-  // (docs/perf/h200_2026-11-22_promotion/). Same k order (batch-invariant).
-  int stage_k = params.w_stage_k != 0             ? params.w_stage_k
-                : block_n == 128 || block_n == 16 ? 128
-                                                  : kDefaultWgmmaStageK;
+  int stage_k =
+      params.w_stage_k != 0 ? params.w_stage_k : DefaultWgmmaStageK(block_n);
   if (stage_k != 64 && stage_k != 128) return cudaErrorNotSupported;
   // 128-deep stages need whole stages; the same k order either way.
   if (params.hidden_size % 128 != 0) stage_k = 64;

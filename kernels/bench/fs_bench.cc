@@ -9,6 +9,8 @@
 //
 //   fs_bench --out DIR [--configs qwen,llama] [--batches 1,2,4] [--iters 100]
 //            [--warmup 25] [--no-sweep] [--path auto|mma|wgmma]
+//            [--ab VARIANT,...]   (each variant against the default, call
+//                                  for call; see Options::ab_variants)
 // Configs: qwen, llama, one GPU's shard of either under an even tensor-
 // parallel split (qwen_tp4, qwen_tp8, llama_tp4, llama_tp8), or any shape
 // as v<V>x<D> (e.g. v16896x4096).
@@ -57,6 +59,11 @@ struct Options {
   int warmup = 25;
   bool sweep = true;
   FusedKernel path = FusedKernel::kAuto;  // --path: the "fused" column's path
+  // --ab: sweep variants to time again against the default launch, call for
+  // call alternately (rows "<name>_ab" and "fused_ab_<name>"). A variant's
+  // place in the sweep moves its median by several percent (the GPU's
+  // power and thermal state), so defaults are chosen from these pairs.
+  std::vector<std::string> ab_variants;
 };
 
 struct Stats {
@@ -110,6 +117,8 @@ bool ParseOptions(int argc, char** argv, Options* options) {
         std::fprintf(stderr, "fs_bench: --path must be auto, mma or wgmma\n");
         return false;
       }
+    } else if (arg == "--ab" && value(&text)) {
+      options->ab_variants = Split(text);
     } else if (arg == "--no-sweep") {
       options->sweep = false;
     } else {
@@ -117,6 +126,11 @@ bool ParseOptions(int argc, char** argv, Options* options) {
                    arg.c_str());
       return false;
     }
+  }
+  if (!options->ab_variants.empty() && !options->sweep) {
+    std::fprintf(stderr,
+                 "fs_bench: --ab names sweep variants; drop --no-sweep\n");
+    return false;
   }
   for (int b : options->batches) {
     if (b < 1 || b > kMaxFusedBatch) {
@@ -505,6 +519,37 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                    config.name.c_str(), static_cast<long long>(vocab), hidden,
                    batch, name, stats.median_us, stats.p10_us, stats.p90_us,
                    stats.min_us);
+    }
+    for (const std::string& name : options.ab_variants) {
+      const auto variant =
+          std::find_if(variants.begin(), variants.end(),
+                       [&](const Variant& v) { return v.name == name; });
+      if (variant == variants.end() || batch > variant->max_batch) continue;
+      Stats default_ab;
+      Stats variant_ab;
+      if (!timer.RunInterleaved(
+              options.warmup, [&] { return fused(auto_path, 0); },
+              [&] {
+                return fused_run(variant->kernel, variant->block_n, true, false,
+                                 variant->hint, variant->promotion,
+                                 variant->stage_k, variant->split_last_round,
+                                 variant->share_last_epilogue);
+              },
+              &default_ab, &variant_ab)) {
+        return false;
+      }
+      for (const auto& [row, stats] : {std::pair<std::string, const Stats&>{
+                                           "fused_ab_" + name, default_ab},
+                                       {name + "_ab", variant_ab}}) {
+        std::fprintf(long_csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.2f\n",
+                     config.name.c_str(), static_cast<long long>(vocab), hidden,
+                     batch, row.c_str(), stats.median_us, stats.p10_us,
+                     stats.p90_us, stats.min_us);
+      }
+      std::printf(
+          "[%s] B=%3d a/b, call for call: default %.1f us, %s %.1f us\n",
+          config.name.c_str(), batch, default_ab.median_us, name.c_str(),
+          variant_ab.median_us);
     }
     const double interleaved_ratio = fused_alt.median_us / cublas_alt.median_us;
     const double fused_us = results["fused"].median_us;
