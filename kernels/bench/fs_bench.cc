@@ -360,10 +360,9 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                FusedKernel::kWgmma, 16, hint, promotion, 16});
         }
       }
-      // The 128-wide tiles without the split of a half-empty last round
-      // (FusedSampleParams::split_last_round).
-      Variant whole{"fused_wgmma_n128_k128_nosplit", FusedKernel::kWgmma, 128};
-      whole.stage_k = 128;
+      // The 128-wide tiles (default stages) without the split of a
+      // half-empty last round (FusedSampleParams::split_last_round).
+      Variant whole{"fused_wgmma_n128_nosplit", FusedKernel::kWgmma, 128};
       whole.split_last_round = false;
       variants.push_back(whole);
       // The default tiles with the CTA's last epilogue on its owner alone
