@@ -98,10 +98,21 @@ cudaError_t EncodeTensorMap(
 // Large batches need wide tiles to reuse each W tile across many rows; on
 // the mma.sync path the 128-wide tile spills and runs slower than two
 // 64-wide ones (device run 1: 1456 vs 752 us at B = 128).
-// On the wgmma path B = 32 runs as two 16-wide tiles (W then comes from L2
-// the second time): fused_wgmma_n16 beat the 64-wide default at B = 32 in
-// all three H200 runs of 2026-11-22 04:50-05:00 UTC (qwen 0.941-0.959 vs
-// 0.976-1.021 of cuBLAS; llama 0.957-0.968 vs 0.964-1.010).
+// On the wgmma path B = 17..64 picks between 16-wide tiles (ceil(B / 16)
+// of them per vocab tile; W comes from L2 after the first) and one 64-wide
+// tile by a count of rounds: the persistent grid's time is its rounds of
+// items, and a 16-wide item costs ~3/8 of a 64-wide one (its wgmmas are a
+// quarter, its W loads are not). That count picks 16 at B = 17..32 on every
+// shape: fused_wgmma_n16 beat the 64-wide tile at B = 32 in all three H200
+// runs of 2026-11-22 04:50-05:00 UTC (qwen 0.941-0.959 vs 0.976-1.021 of
+// cuBLAS; llama 0.957-0.968 vs 0.964-1.010). At B = 33..64 it picks 16
+// only where the 64-wide items leave the last round mostly empty: qwen's
+// TP8 shard (149 vocab tiles on 132 SMs: two rounds of 64-wide items for
+// 1.13 rounds of work), 6.5-9% faster at B = 48 and 64 in four alternating
+// (fs_bench --ab) runs of session 5, and its TP4 shard at B = 33..48
+// (3.5-4%); it keeps 64 where those runs had the 64-wide tile ahead
+// (the full vocabularies, llama's TP4 and TP8 shards, qwen's TP4 shard at
+// B = 64; docs/perf/fused_kernel_attempts.md, attempt 25).
 // B = 65..128 on the wgmma path: one 128-wide tile per vocab tile, except on
 // a shard of at most 5 vocab tiles per SM (a tensor-parallel shard), where
 // two 64-wide ones were 12-20% faster in the H200 run of 2026-11-22 11:00
@@ -118,9 +129,15 @@ cudaError_t EncodeTensorMap(
 int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
                   int hidden_size, int multiprocessors) {
   if (batch <= 16) return 16;
-  if (batch <= 32 && path == FusedKernel::kWgmma) return 16;
-  if (batch <= 64 || path == FusedKernel::kMmaSync) return 64;
   const int64_t tiles = FusedSampleNumTiles(vocab_rows);
+  const int64_t sms = multiprocessors;
+  if (batch <= 64 && path == FusedKernel::kWgmma) {
+    const int64_t rounds_of_64 = (tiles + sms - 1) / sms;
+    const int64_t items_of_16 = tiles * ((batch + 15) / 16);
+    const int64_t rounds_of_16 = (items_of_16 + sms - 1) / sms;
+    return 3 * rounds_of_16 < 8 * rounds_of_64 ? 16 : 64;
+  }
+  if (batch <= 64 || path == FusedKernel::kMmaSync) return 64;
   if (batch <= 128 && tiles <= 5 * int64_t{multiprocessors}) return 64;
   const int64_t items_of_128 = tiles * ((batch + 127) / 128);
   if (hidden_size <= 4096 && 2 * items_of_128 <= 5 * int64_t{multiprocessors}) {
@@ -130,17 +147,20 @@ int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
 }
 
 // Elements of D per wgmma ring stage when FusedSampleParams::w_stage_k is 0:
-// 128 for the 16-wide tiles (B <= 32), 64 for the wider ones. Chosen from
+// 128 for the 16-wide tiles up to B = 32, 64 otherwise. Chosen from
 // fs_bench --ab pairs (the variant against the default, call for call), not
 // from the sweep's medians, which move by several percent with a variant's
 // place in it (docs/perf/fused_kernel_attempts.md, attempt 22). Four such
 // runs on one H200 (2026-11-22): 64-deep stages on the 128-wide tiles were
 // 2.2-3.3% faster at B = 256 on qwen's full vocabulary and the qwen TP4,
 // llama TP4 and TP8 shards, 0.2-0.5% on llama's full vocabulary, and
-// 0.3-1% at B = 128; on the 16-wide tiles at B = 1 and 16 they were 0.3-1%
-// slower. Same k order for every choice: same bits.
-int DefaultWgmmaStageK(int block_n) {
-  return block_n == 16 ? 128 : kDefaultWgmmaStageK;
+// 0.3-1% at B = 128. On the 16-wide tiles they were 0.3-1.2% slower at
+// B = 1 and 16 (within the small pairs' spread; 128-deep stages had won
+// the sweeps of 04:55 UTC by 1-2.6%) and 3-4% faster at B = 64 on qwen's
+// TP8 shard, where DefaultBlockN now takes 16-wide tiles. Same k order for
+// every choice: same bits.
+int DefaultWgmmaStageK(int block_n, int batch) {
+  return block_n == 16 && batch <= 32 ? 128 : kDefaultWgmmaStageK;
 }
 
 // Multiprocessors of the current device (the persistent grid), cached.
@@ -341,8 +361,9 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                           static_cast<uint64_t>(params.batch),
                           static_cast<uint32_t>(block_n));
   if (error != cudaSuccess) return error;
-  int stage_k =
-      params.w_stage_k != 0 ? params.w_stage_k : DefaultWgmmaStageK(block_n);
+  int stage_k = params.w_stage_k != 0
+                    ? params.w_stage_k
+                    : DefaultWgmmaStageK(block_n, params.batch);
   if (stage_k != 64 && stage_k != 128) return cudaErrorNotSupported;
   // 128-deep stages need whole stages; the same k order either way.
   if (params.hidden_size % 128 != 0) stage_k = 64;
