@@ -26,6 +26,9 @@ constexpr int kDefaultWgmmaStageK = 64;
 // TMA L2 eviction hints (CUTLASS's CacheHintSm90 encodings).
 constexpr uint64_t kL2EvictNormal = 0x1000000000000000ull;
 constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
+// W at most this large streams with evict-first at block_n 16 (see the
+// default hint in LaunchFusedSample).
+constexpr int64_t kEvictFirstMaxWeightBytes = int64_t{320} << 20;
 // Per device: 0 = not resolved yet, else 1 + static_cast<int>(FusedKernel).
 std::atomic<int> resolved_path[kMaxDevices];
 
@@ -108,11 +111,12 @@ cudaError_t EncodeTensorMap(
 // cuBLAS; llama 0.957-0.968 vs 0.964-1.010). At B = 33..64 it picks 16
 // only where the 64-wide items leave the last round mostly empty: qwen's
 // TP8 shard (149 vocab tiles on 132 SMs: two rounds of 64-wide items for
-// 1.13 rounds of work), 6.5-9% faster at B = 48 and 64 in four alternating
+// 1.13 rounds of work), 6-11% faster at B = 33..64 in alternating
 // (fs_bench --ab) runs of session 5, and its TP4 shard at B = 33..48
-// (3.5-4%); it keeps 64 where those runs had the 64-wide tile ahead
-// (the full vocabularies, llama's TP4 and TP8 shards, qwen's TP4 shard at
-// B = 64; docs/perf/fused_kernel_attempts.md, attempt 25).
+// (5-8%); it keeps 64 where those runs had the 64-wide tile ahead (the
+// full vocabularies, llama's TP4 and TP8 shards but for 1% at llama TP4
+// B = 33, qwen's TP4 shard at B = 56..64; docs/perf/
+// fused_kernel_attempts.md, attempt 25).
 // B = 65..128 on the wgmma path: one 128-wide tile per vocab tile, except on
 // a shard of at most 5 vocab tiles per SM (a tensor-parallel shard), where
 // two 64-wide ones were 12-20% faster in the H200 run of 2026-11-22 11:00
@@ -152,15 +156,20 @@ int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
 // from the sweep's medians, which move by several percent with a variant's
 // place in it (docs/perf/fused_kernel_attempts.md, attempt 22). Four such
 // runs on one H200 (2026-11-22): 64-deep stages on the 128-wide tiles were
-// 2.2-3.3% faster at B = 256 on qwen's full vocabulary and the qwen TP4,
-// llama TP4 and TP8 shards, 0.2-0.5% on llama's full vocabulary, and
-// 0.3-1% at B = 128. On the 16-wide tiles they were 0.3-1.2% slower at
+// 1.9-3.5% faster at B = 256 on qwen's full vocabulary and the qwen TP4,
+// llama TP4 and TP8 shards, 0-0.5% on llama's full vocabulary, and
+// 0.2-1% at B = 128. On the 16-wide tiles they were 0.3-1.2% slower at
 // B = 1 and 16 (within the small pairs' spread; 128-deep stages had won
 // the sweeps of 04:55 UTC by 1-2.6%) and 3-4% faster at B = 64 on qwen's
 // TP8 shard, where DefaultBlockN now takes 16-wide tiles. Same k order for
 // every choice: same bits.
 int DefaultWgmmaStageK(int block_n, int batch) {
   return block_n == 16 && batch <= 32 ? 128 : kDefaultWgmmaStageK;
+}
+
+// Bytes of this shard's W (bf16 and fp16 alike: 2 per element).
+int64_t WeightBytes(const FusedSampleParams& params) {
+  return params.vocab_rows * params.hidden_size * int64_t{2};
 }
 
 // Multiprocessors of the current device (the persistent grid), cached.
@@ -320,10 +329,17 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
       args.w_cache_hint = kL2EvictNormal;
       break;
     default:
-      // Device run 3 swept the hint at B <= 16 in one run: evict-first made
-      // W streaming ~4% slower than normal (qwen B = 1: 318 vs 306 us), so
-      // W is not hinted (see docs/perf/fused_kernel_attempts.md).
-      args.w_cache_hint = kL2EvictNormal;
+      // Evict-first for the 16-wide tiles of a small shard, normal
+      // otherwise. Alternating pairs (fs_bench --ab, one H200, 2026-11-22
+      // 17:33 UTC, B = 1, 8, 16, two runs; fused_kernel_attempts.md,
+      // attempt 26): evict-first was 5-9% faster on qwen's TP8 shard
+      // (156 MB of W), 0.5-2.5% on llama's (263 MB), 0-1.5% on qwen's TP4
+      // shard (311 MB), but 2-3% slower on llama's TP4 shard (525 MB) and
+      // 4-6% slower on the full vocabularies (1.2-2.1 GB).
+      args.w_cache_hint =
+          block_n == 16 && WeightBytes(params) <= kEvictFirstMaxWeightBytes
+              ? kL2EvictFirst
+              : kL2EvictNormal;
   }
   if (path == FusedKernel::kMmaSync) {
     return params.dtype == KernelDType::kBf16
@@ -336,12 +352,13 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   }
   CUtensorMap map_w;
   CUtensorMap map_h;
-  // Default promotion: 128 B at block_n 16 (B <= 32, pure W streaming),
+  // Default promotion: 128 B at block_n 16 (pure W streaming at B <= 32),
   // where two H200 runs measured it 2-3% faster than 256 B
   // (fused_wgmma_n16_normal_p128 in docs/perf/h200x2_2026-11-22*/), and at
-  // block_n 64 (B = 33..64: fused_wgmma_n64_normal_p128 2.4-2.7% faster on
-  // both configs, docs/perf/fused_kernel_attempts.md attempt 14); 256 B at
-  // block_n 128, where neither won consistently.
+  // block_n 64 (measured at B = 33..64: fused_wgmma_n64_normal_p128 2.4-2.7%
+  // faster on both configs, docs/perf/fused_kernel_attempts.md attempt 14);
+  // 256 B at block_n 128, where neither won consistently. block_n 16 at
+  // B = 33..64 (small shards, DefaultBlockN) keeps the 16-wide tile's 128 B.
   const int promotion_bytes = params.w_l2_promotion != 0 ? params.w_l2_promotion
                               : block_n == 128           ? 256
                                                          : 128;

@@ -85,12 +85,13 @@ struct FusedSampleParams {
   int block_n = 0;
   // Tuning knobs of the wgmma path's W loads, swept by the benchmark: the
   // L2 hint, and the tensor map's L2 promotion in bytes (0 = the default:
-  // 128 at block_n 16, else 256; or 256, 128, or -1 for none).
+  // 128 at block_n 16 and 64, 256 at 128; or 256, 128, or -1 for none).
   L2Hint w_l2_hint = L2Hint::kAuto;
   int w_l2_promotion = 0;
-  // Elements of D per wgmma pipeline stage: 0 = the default, 64 or 128
-  // (two swizzle-wide k-blocks: 256 contiguous bytes of each W row per
-  // stage; D not a multiple of 128 uses 64). Same k order, same bits.
+  // Elements of D per wgmma pipeline stage: 0 = the default (128 for the
+  // 16-wide tiles up to B = 32, else 64), 64 or 128 (two swizzle-wide
+  // k-blocks: 256 contiguous bytes of each W row per stage; D not a
+  // multiple of 128 uses 64). Same k order, same bits.
   int w_stage_k = 0;
   // wgmma path, block_n 128: when the persistent grid's last round of items
   // fills at most half the SMs, cut its items into two 64-column halves on

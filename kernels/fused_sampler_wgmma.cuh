@@ -13,8 +13,9 @@
 // has received the last stage of piece j, so one consumer's epilogue (the
 // noise, pruned exactly: fused_epilogue.cuh) runs while the other's wgmmas
 // run, and the producer streams W across piece boundaries without draining
-// the ring. Only the CTA's last piece is scored by both consumers (its
-// owner hands half of its columns to the other through shared memory).
+// the ring. With kBlockN >= 64 the CTA's last piece is scored by both
+// consumers (its owner hands half of its columns to the other through
+// shared memory; FusedSampleParams::share_last_epilogue).
 //
 // Items go round-robin to the persistent CTAs (WorkSchedule). Where the
 // last round would leave more than half the SMs idle, its 128-wide items
@@ -229,8 +230,8 @@ __global__ void __launch_bounds__(384, 1)
   // attempt 20). Its owner stages the accumulators of the piece's second
   // half of columns in the drained ring, and the other consumer, done with
   // its own pieces by then, scores those while the owner scores the first
-  // half. For kBlockN >= 64 (pieces of 32 columns and up; kBlockN 16 has
-  // a short epilogue).
+  // half. For kBlockN >= 64 (each consumer's share is then 32 columns or
+  // more; kBlockN 16 has a short epilogue).
   constexpr bool kShareLastEpilogue = kBlockN >= 64;
   // Staged quads (16 columns) per warp: half of the widest piece.
   constexpr int kSharedQuads = kBlockN / 32;

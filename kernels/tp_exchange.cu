@@ -673,7 +673,6 @@ cudaError_t TpExchange::Step(const std::vector<FusedSampleParams>& params,
   for (int r = 0; r < n; ++r) {
     shard_winners = shard_winners && workspaces[r] != nullptr;
   }
-  last_step_sent_winners_ = shard_winners;
   for (int r = 0; r < n; ++r) {
     cudaError_t err = BeforeStageOne(r, streams[r]);
     if (err != cudaSuccess) return err;
@@ -693,8 +692,11 @@ cudaError_t TpExchange::Step(const std::vector<FusedSampleParams>& params,
     err = AfterStageOne(r, streams[r], streams[0]);
     if (err != cudaSuccess) return err;
   }
-  return ReduceOver(shard_winners ? n : layout_.total_tiles, batch, num_samples,
-                    token_ids, winning_scores, streams[0]);
+  const cudaError_t err =
+      ReduceOver(shard_winners ? n : layout_.total_tiles, batch, num_samples,
+                 token_ids, winning_scores, streams[0]);
+  if (err == cudaSuccess) last_step_sent_winners_ = shard_winners;
+  return err;
 }
 
 TpBarrierResult TpExchange::status() const {

@@ -151,8 +151,8 @@ class TpExchange {
   // TpExchangeOptions::send_shard_winners, from the next Step on (the two
   // exchanges share the slots, so steps may alternate between them).
   void set_send_shard_winners(bool send) { options_.send_shard_winners = send; }
-  // Whether the last Step sent the ranks' shard winners (false: every tile's
-  // candidate).
+  // Whether the last successful Step sent the ranks' shard winners (false:
+  // every tile's candidate).
   bool last_step_sent_winners() const { return last_step_sent_winners_; }
   int num_ranks() const { return layout_.num_ranks(); }
 
@@ -180,11 +180,11 @@ class TpExchange {
   // ignored and replaced); workspaces[r] is null or holds
   // FusedSampleWorkspaceSize bytes on rank r's GPU, zero-filled once: then
   // rank r's tiles prune against its best candidate so far
-  // (FusedSampleParams::floor_in_workspace). With every rank's workspace
-  // and num_samples <= kMaxFusedInKernelSamples, each rank sends only its
-  // shard's winners (FusedSampleParams::shard_winners) and rank 0 reduces
-  // those; otherwise every tile's candidates, as in the manual sequence
-  // above.
+  // (FusedSampleParams::floor_in_workspace). With every rank's workspace,
+  // num_samples <= kMaxFusedInKernelSamples and send_shard_winners set,
+  // each rank sends only its shard's winners (FusedSampleParams::
+  // shard_winners) and rank 0 reduces those; otherwise every tile's
+  // candidates, as in the manual sequence above.
   cudaError_t Step(const std::vector<FusedSampleParams>& params,
                    const std::vector<void*>& workspaces,
                    const std::vector<size_t>& workspace_bytes,

@@ -18,6 +18,12 @@ max_mib=60
 
 # Makefiles, whatever CMAKE_GENERATOR says: the optional targets are found
 # in their `help` listing below (Ninja's lists no executables).
+if [[ -f $build/CMakeCache.txt ]] &&
+  ! grep -qx 'CMAKE_GENERATOR:INTERNAL=Unix Makefiles' "$build/CMakeCache.txt"; then
+  echo "device_bundle: $build was configured with another generator;" \
+    "remove it or set FS_DEVICE_BUILD_DIR" >&2
+  exit 1
+fi
 cmake -G "Unix Makefiles" -S "$root" -B "$build" -DFS_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a \
   -DCMAKE_BUILD_TYPE=Release -DFS_WERROR=ON >/dev/null

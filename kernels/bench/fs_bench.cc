@@ -384,6 +384,18 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     }
   }
 
+  // --ab names sweep variants of this path; an unknown name is an error, not
+  // a silently empty comparison.
+  for (const std::string& name : options.ab_variants) {
+    if (std::none_of(variants.begin(), variants.end(),
+                     [&](const Variant& v) { return v.name == name; })) {
+      std::fprintf(stderr,
+                   "fs_bench: --ab %s is not a sweep variant of this path "
+                   "(see the method names in results_long.csv)\n",
+                   name.c_str());
+      return false;
+    }
+  }
   for (int batch : options.batches) {
     // greedy: all rows at temperature 0 (no noise), to isolate the cost of
     // the noise epilogue.
@@ -523,7 +535,13 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       const auto variant =
           std::find_if(variants.begin(), variants.end(),
                        [&](const Variant& v) { return v.name == name; });
-      if (variant == variants.end() || batch > variant->max_batch) continue;
+      if (variant == variants.end()) continue;  // checked before the loop
+      if (batch > variant->max_batch) {
+        std::printf("[%s] B=%3d a/b: %s runs only up to B = %d, skipped\n",
+                    config.name.c_str(), batch, name.c_str(),
+                    variant->max_batch);
+        continue;
+      }
       Stats default_ab;
       Stats variant_ab;
       if (!timer.RunInterleaved(
@@ -535,7 +553,13 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                                  variant->share_last_epilogue);
               },
               &default_ab, &variant_ab)) {
-        return false;
+        // As in the sweep: a failed pair is noted, the run goes on.
+        std::fprintf(long_csv, "%s,%lld,%d,%d,%s_ab,failed,,,\n",
+                     config.name.c_str(), static_cast<long long>(vocab), hidden,
+                     batch, name.c_str());
+        cudaGetLastError();
+        BENCH_CHECK(cudaStreamSynchronize(stream));
+        continue;
       }
       for (const auto& [row, stats] : {std::pair<std::string, const Stats&>{
                                            "fused_ab_" + name, default_ab},

@@ -111,17 +111,22 @@ inline std::vector<FusedKernel> AvailablePaths() {
 }
 
 // Every kernel configuration of a path: tile widths, and on the wgmma path
-// both pipeline stage depths in K (results must be the same bits).
+// both pipeline stage depths in K, named explicitly (the default depth
+// depends on the tile and the batch; results must be the same bits).
 struct KernelConfig {
   int block_n;
-  int stage_k;  // 0 = default
+  int stage_k;  // 0 = default (the mma.sync path has no stages to choose)
 };
 
 inline std::vector<KernelConfig> ConfigsOf(FusedKernel kernel) {
   std::vector<KernelConfig> configs;
   for (int block_n : {16, 64, 128}) {
-    configs.push_back({block_n, 0});
-    if (kernel == FusedKernel::kWgmma) configs.push_back({block_n, 128});
+    if (kernel == FusedKernel::kWgmma) {
+      configs.push_back({block_n, 64});
+      configs.push_back({block_n, 128});
+    } else {
+      configs.push_back({block_n, 0});
+    }
   }
   return configs;
 }
