@@ -142,9 +142,9 @@ int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
     return 3 * rounds_of_16 < 8 * rounds_of_64 ? 16 : 64;
   }
   if (batch <= 64 || path == FusedKernel::kMmaSync) return 64;
-  if (batch <= 128 && tiles <= 5 * int64_t{multiprocessors}) return 64;
+  if (batch <= 128 && tiles <= 5 * sms) return 64;
   const int64_t items_of_128 = tiles * ((batch + 127) / 128);
-  if (hidden_size <= 4096 && 2 * items_of_128 <= 5 * int64_t{multiprocessors}) {
+  if (hidden_size <= 4096 && 2 * items_of_128 <= 5 * sms) {
     return 64;
   }
   return 128;

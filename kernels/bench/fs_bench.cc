@@ -386,15 +386,19 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
 
   // --ab names sweep variants of this path; an unknown name is an error, not
   // a silently empty comparison.
+  std::vector<const Variant*> ab_variants;
   for (const std::string& name : options.ab_variants) {
-    if (std::none_of(variants.begin(), variants.end(),
-                     [&](const Variant& v) { return v.name == name; })) {
+    const auto variant =
+        std::find_if(variants.begin(), variants.end(),
+                     [&](const Variant& v) { return v.name == name; });
+    if (variant == variants.end()) {
       std::fprintf(stderr,
                    "fs_bench: --ab %s is not a sweep variant of this path "
                    "(see the method names in results_long.csv)\n",
                    name.c_str());
       return false;
     }
+    ab_variants.push_back(&*variant);
   }
   for (int batch : options.batches) {
     // greedy: all rows at temperature 0 (no noise), to isolate the cost of
@@ -463,15 +467,34 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                                     nullptr, stream);
     };
     std::map<std::string, Stats> results;
+    // One row of results_long.csv.
+    auto write_row = [&](const std::string& name, const Stats& stats) {
+      std::fprintf(long_csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.2f\n",
+                   config.name.c_str(), static_cast<long long>(vocab), hidden,
+                   batch, name.c_str(), stats.median_us, stats.p10_us,
+                   stats.p90_us, stats.min_us);
+    };
+    // A failed variant must not cost the rest of the run: note it, clear a
+    // non-sticky error and go on (a sticky one fails next).
+    auto note_failed = [&](const std::string& name) {
+      std::fprintf(long_csv, "%s,%lld,%d,%d,%s,failed,,,\n",
+                   config.name.c_str(), static_cast<long long>(vocab), hidden,
+                   batch, name.c_str());
+      cudaGetLastError();
+      BENCH_CHECK(cudaStreamSynchronize(stream));
+      return true;
+    };
+    auto launch_variant = [&](const Variant& variant) {
+      return fused_run(variant.kernel, variant.block_n, true, false,
+                       variant.hint, variant.promotion, variant.stage_k,
+                       variant.split_last_round, variant.share_last_epilogue);
+    };
     auto time = [&](const std::string& name,
                     const std::function<cudaError_t()>& launch) {
       Stats stats;
       if (!timer.Run(options.warmup, launch, &stats)) return false;
       results[name] = stats;
-      std::fprintf(long_csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.2f\n",
-                   config.name.c_str(), static_cast<long long>(vocab), hidden,
-                   batch, name.c_str(), stats.median_us, stats.p10_us,
-                   stats.p90_us, stats.min_us);
+      write_row(name, stats);
       return true;
     };
     if (!time("fused", [&] { return fused(auto_path, 0); }) ||
@@ -494,19 +517,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     double best_us = results["fused"].median_us;
     for (const Variant& variant : variants) {
       if (batch > variant.max_batch) continue;
-      if (!time(variant.name, [&] {
-            return fused_run(variant.kernel, variant.block_n, true, false,
-                             variant.hint, variant.promotion, variant.stage_k,
-                             variant.split_last_round,
-                             variant.share_last_epilogue);
-          })) {
-        // A failed variant must not cost the rest of the run: note it,
-        // clear a non-sticky error and go on (a sticky one fails next).
-        std::fprintf(long_csv, "%s,%lld,%d,%d,%s,failed,,,\n",
-                     config.name.c_str(), static_cast<long long>(vocab), hidden,
-                     batch, variant.name.c_str());
-        cudaGetLastError();
-        BENCH_CHECK(cudaStreamSynchronize(stream));
+      if (!time(variant.name, [&] { return launch_variant(variant); })) {
+        if (!note_failed(variant.name)) return false;
         continue;
       }
       if (results[variant.name].median_us < best_us) {
@@ -523,19 +535,10 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
             &fused_alt, &cublas_alt)) {
       return false;
     }
-    for (const auto& [name, stats] :
-         {std::pair<const char*, const Stats&>{"fused_interleaved", fused_alt},
-          {"cublas_only_interleaved", cublas_alt}}) {
-      std::fprintf(long_csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.2f\n",
-                   config.name.c_str(), static_cast<long long>(vocab), hidden,
-                   batch, name, stats.median_us, stats.p10_us, stats.p90_us,
-                   stats.min_us);
-    }
-    for (const std::string& name : options.ab_variants) {
-      const auto variant =
-          std::find_if(variants.begin(), variants.end(),
-                       [&](const Variant& v) { return v.name == name; });
-      if (variant == variants.end()) continue;  // checked before the loop
+    write_row("fused_interleaved", fused_alt);
+    write_row("cublas_only_interleaved", cublas_alt);
+    for (const Variant* variant : ab_variants) {
+      const std::string& name = variant->name;
       if (batch > variant->max_batch) {
         std::printf("[%s] B=%3d a/b: %s runs only up to B = %d, skipped\n",
                     config.name.c_str(), batch, name.c_str(),
@@ -546,29 +549,13 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       Stats variant_ab;
       if (!timer.RunInterleaved(
               options.warmup, [&] { return fused(auto_path, 0); },
-              [&] {
-                return fused_run(variant->kernel, variant->block_n, true, false,
-                                 variant->hint, variant->promotion,
-                                 variant->stage_k, variant->split_last_round,
-                                 variant->share_last_epilogue);
-              },
-              &default_ab, &variant_ab)) {
-        // As in the sweep: a failed pair is noted, the run goes on.
-        std::fprintf(long_csv, "%s,%lld,%d,%d,%s_ab,failed,,,\n",
-                     config.name.c_str(), static_cast<long long>(vocab), hidden,
-                     batch, name.c_str());
-        cudaGetLastError();
-        BENCH_CHECK(cudaStreamSynchronize(stream));
+              [&] { return launch_variant(*variant); }, &default_ab,
+              &variant_ab)) {
+        if (!note_failed(name + "_ab")) return false;
         continue;
       }
-      for (const auto& [row, stats] : {std::pair<std::string, const Stats&>{
-                                           "fused_ab_" + name, default_ab},
-                                       {name + "_ab", variant_ab}}) {
-        std::fprintf(long_csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.2f\n",
-                     config.name.c_str(), static_cast<long long>(vocab), hidden,
-                     batch, row.c_str(), stats.median_us, stats.p10_us,
-                     stats.p90_us, stats.min_us);
-      }
+      write_row("fused_ab_" + name, default_ab);
+      write_row(name + "_ab", variant_ab);
       std::printf(
           "[%s] B=%3d a/b, call for call: default %.1f us, %s %.1f us\n",
           config.name.c_str(), batch, default_ab.median_us, name.c_str(),
