@@ -43,9 +43,10 @@ __device__ __forceinline__ void Keep(float score, int32_t id, float* best,
 }
 
 // One block per (row b = blockIdx.x, sample j = blockIdx.y). Walks each
-// shard's columns in groups of 4 global token ids, because one Philox call
-// yields the noise of tokens 4g..4g+3 (NoiseBits4); a group that straddles a
-// shard boundary is drawn once per side, and each side keeps its own tokens.
+// shard's columns in noise blocks of 16 global token ids (philox.h: one
+// block call and four token-word calls, NoiseBits4, give their noise); a
+// block that straddles a shard boundary is drawn once per side, and each
+// side keeps its own tokens.
 __global__ void __launch_bounds__(kSampleThreads)
     GatheredSampleKernel(const void* gathered, KernelDType dtype, int num_ranks,
                          const int64_t* shard_table, int64_t row_stride,
@@ -64,26 +65,40 @@ __global__ void __launch_bounds__(kSampleThreads)
     const int64_t offset = shard_table[r];
     const int64_t rows = shard_table[num_ranks + r];
     const int64_t base = (static_cast<int64_t>(r) * batch + b) * row_stride;
-    const int64_t first_group = offset >> 2;
-    const int64_t last_group = (offset + rows - 1) >> 2;
-    for (int64_t g = first_group + threadIdx.x; g <= last_group;
+    const int64_t first_block = offset >> kNoiseBlockShift;
+    const int64_t last_block = (offset + rows - 1) >> kNoiseBlockShift;
+    for (int64_t g = first_block + threadIdx.x; g <= last_block;
          g += blockDim.x) {
-      Philox4x32 bits{};
+      NoiseBlock noise_block{};
+      float min_exponential = 0.0f;
       if (!greedy) {
-        bits = NoiseBits4(seed, step, static_cast<uint32_t>(j),
-                          static_cast<uint32_t>(g));
+        noise_block = NoiseBlockOf(seed, step, static_cast<uint32_t>(j),
+                                   static_cast<uint32_t>(g));
+        min_exponential =
+            BlockMinExponential(noise_block.uniform, RoundedDivide{});
       }
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int64_t id = 4 * g + k;
-        if (id < offset || id >= offset + rows) continue;
-        const float logit = LoadLogit(gathered, base + (id - offset), dtype);
-        float score = logit;
+      for (int run = 0; run < 4; ++run) {
+        const int64_t group = 4 * g + run;
+        Philox4x32 bits{};
         if (!greedy) {
-          const float gumbel = GumbelFromUniform(UniformFromBits(bits.v[k]));
-          score = GumbelScore(logit, inv_t, gumbel);
+          bits = NoiseBits4(seed, step, static_cast<uint32_t>(j),
+                            static_cast<uint32_t>(group));
         }
-        Keep(score, static_cast<int32_t>(id), &best, &best_id);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int64_t id = 4 * group + k;
+          if (id < offset || id >= offset + rows) continue;
+          const float logit = LoadLogit(gathered, base + (id - offset), dtype);
+          float score = logit;
+          if (!greedy) {
+            const float gumbel = BlockSlotGumbel(
+                min_exponential,
+                static_cast<uint32_t>(4 * run + k) == noise_block.first_slot,
+                bits.v[k], RoundedDivide{});
+            score = GumbelScore(logit, inv_t, gumbel);
+          }
+          Keep(score, static_cast<int32_t>(id), &best, &best_id);
+        }
       }
     }
   }

@@ -162,35 +162,52 @@ __global__ void __launch_bounds__(kGumbelThreads)
   for (int sample = 0; sample < num_samples; ++sample) {
     float best_score = -__int_as_float(0x7f800000);
     int32_t best_id = kNoToken;
-    for (int group = threadIdx.x; group < kGumbelChunk / 4;
-         group += kGumbelThreads) {
-      const int64_t first = chunk * kGumbelChunk + group * 4;
+    // One noise block (16 consecutive token ids, philox.h) per step: one
+    // block call and four token-word calls. A chunk that starts off a block
+    // boundary (a shard offset that is not a multiple of 16) takes each
+    // token's noise whole (GumbelNoise).
+    for (int block = threadIdx.x;
+         block < kGumbelChunk / static_cast<int>(kNoiseBlockTokens);
+         block += kGumbelThreads) {
+      const int64_t first = chunk * kGumbelChunk + block * kNoiseBlockTokens;
       if (first >= vocab) break;
       const int64_t token0 = vocab_offset + first;
-      float noise[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (inv_t != 0.0f) {
-        if ((token0 & 3) == 0) {
-          const Philox4x32 bits =
-              NoiseBits4(seed, step, static_cast<uint32_t>(sample),
-                         static_cast<uint32_t>(token0 >> 2));
-          for (int q = 0; q < 4; ++q) {
-            noise[q] = GumbelFromUniform(UniformFromBits(bits.v[q]));
-          }
-        } else {
-          for (int q = 0; q < 4; ++q) {
-            noise[q] = GumbelNoise(seed, step, static_cast<uint32_t>(sample),
-                                   static_cast<uint32_t>(token0 + q));
-          }
-        }
+      const bool aligned = (token0 & (kNoiseBlockTokens - 1)) == 0;
+      NoiseBlock noise_block{};
+      float min_exponential = 0.0f;
+      if (inv_t != 0.0f && aligned) {
+        noise_block = NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
+                                   static_cast<uint32_t>(token0 >> 4));
+        min_exponential =
+            BlockMinExponential(noise_block.uniform, RoundedDivide{});
       }
-      for (int q = 0; q < 4 && first + q < vocab; ++q) {
-        const float logit = LoadLogit(logits, dtype, row_offset + first + q);
-        const float score =
-            inv_t == 0.0f ? logit : GumbelScore(logit, inv_t, noise[q]);
-        const int32_t id = static_cast<int32_t>(token0 + q);
-        if (CandidateBetter(score, id, best_score, best_id)) {
-          best_score = score;
-          best_id = id;
+      for (int run = 0; run < 4; ++run) {
+        Philox4x32 bits{};
+        if (inv_t != 0.0f && aligned) {
+          bits = NoiseBits4(seed, step, static_cast<uint32_t>(sample),
+                            static_cast<uint32_t>((token0 >> 2) + run));
+        }
+        for (int q = 0; q < 4; ++q) {
+          const int slot = 4 * run + q;
+          if (first + slot >= vocab) break;
+          const float logit =
+              LoadLogit(logits, dtype, row_offset + first + slot);
+          const int32_t id = static_cast<int32_t>(token0 + slot);
+          float score = logit;
+          if (inv_t != 0.0f) {
+            const float noise =
+                aligned ? BlockSlotGumbel(min_exponential,
+                                          static_cast<uint32_t>(slot) ==
+                                              noise_block.first_slot,
+                                          bits.v[q], RoundedDivide{})
+                        : GumbelNoise(seed, step, static_cast<uint32_t>(sample),
+                                      static_cast<uint32_t>(id));
+            score = GumbelScore(logit, inv_t, noise);
+          }
+          if (CandidateBetter(score, id, best_score, best_id)) {
+            best_score = score;
+            best_id = id;
+          }
         }
       }
     }

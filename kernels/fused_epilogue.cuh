@@ -4,23 +4,24 @@
 //
 // Both tensor-core paths leave a warp holding fragments in the same layout:
 // lane (g = lane / 4, c = lane % 4) has vocab rows g and g + 8, batch columns
-// 2c and 2c + 1. The noise of four consecutive global tokens 4t..4t+3 comes
-// from one Philox call (NoiseBits4), so a per-warp staging buffer transposes
-// the fragments into runs of 4 consecutive vocab rows of one column per
-// lane: the mma.sync path stages one fragment at a time (8 rows, 2 runs per
-// lane, 4 lanes per column: ScoreFragments); the wgmma path stages four
-// (16 rows, 4 runs per lane, 2 lanes per column: ScoreFragmentQuad), which
-// gives its single epilogue warp per scheduler 4 independent Philox chains.
-// ScoreRuns scores a lane's runs; xor-shuffles and one shared 64-bit
-// atomicMax per (warp, column) merge a column across the CTA.
+// 2c and 2c + 1. A token's noise comes from its block's Philox call
+// (NoiseBlockOf: 16 consecutive global ids) and its own word (NoiseBits4:
+// 4 consecutive ids per call), so a per-warp staging buffer transposes the
+// fragments into runs of 4 consecutive vocab rows of one column per lane:
+// the mma.sync path stages one fragment at a time (8 rows, 2 runs per lane,
+// 4 lanes per column: ScoreFragments); the wgmma path stages four (16 rows,
+// 4 runs per lane, 2 lanes per column: ScoreFragmentQuad), so that a lane
+// holds one whole noise block. ScoreRuns scores a lane's runs; xor-shuffles
+// and one shared 64-bit atomicMax per (warp, column) merge a column across
+// the CTA.
 //
-// The noise is pruned exactly: cheap bounds on every token's score (from
-// the Philox word alone, then from the fast logarithm) discard the tokens
-// that are strictly worse than another token or than a candidate already
-// published in this launch, and only the rest get the exact noise of
-// kernels/philox.h. The winner, ties included, is never discarded, so the
-// result is the unpruned result bit for bit (docs/perf/
-// fused_kernel_attempts.md, attempts 4-6 and 10).
+// The noise is pruned exactly: cheap bounds on the scores (a whole block's
+// from its one call, then each token's from its Philox word, then from the
+// fast logarithm) discard the tokens that are strictly worse than a
+// candidate already reached in this launch, and only the rest get the exact
+// noise of kernels/philox.h. The winner, ties included, is never discarded,
+// so the result is the unpruned result bit for bit (docs/perf/
+// fused_kernel_attempts.md, attempts 4-6, 10 and 27).
 #ifndef FLASHSAMPLER_KERNELS_FUSED_EPILOGUE_CUH_
 #define FLASHSAMPLER_KERNELS_FUSED_EPILOGUE_CUH_
 
@@ -130,15 +131,14 @@ __device__ __forceinline__ void PruneBounds(float scaled, float u, float* lower,
                     : __fadd_ru(scaled, __fadd_ru(g, kPruneMargin));
 }
 
-// Bounds on the same score from the Philox word alone, no logarithm. The
-// uniform is u = (2m + 1) 2^-24 with m the word's top 23 bits; let k be the
-// number of leading one bits of m (0 .. 23). Then u < 1 - 2^-(k+1), and
-// since -ln(1 - x) > x the noise -ln(-ln u) < (k + 1) ln 2. For k >= 1,
-// u > 1 - 2^-k and -ln(1 - x) <= x + x^2 for x <= 1/2 give a noise
-// > k ln 2 - ln(1 + 2^-k) >= k ln 2 - 0.5; for k = 0 the noise is at least
-// -ln(-ln 2^-24) = -2.8116. The exact fp32 noise is within 1e-5 of the
-// real one, inside the 2^-10 margins; sums are rounded outwards as in
-// PruneBounds.
+// An upper bound on the score from the token's Philox word alone, no
+// logarithm. The uniform is v = (2m + 1) 2^-24 with m the word's top 23
+// bits; let k be the number of leading one bits of m (0 .. 23). Then
+// v < 1 - 2^-(k+1), and since -ln(1 - x) > x the Gumbel of v alone,
+// -ln(-ln v), is < (k + 1) ln 2. A token that does not hold its block's
+// minimum has noise -ln(E_min - ln v) < -ln(-ln v) (philox.h, NoiseBlockOf);
+// the fp32 noise is within 1e-5 of the real one, inside the 2^-10 margin,
+// and the sum is rounded upwards as in PruneBounds.
 constexpr float kWordBoundLn2 = 0.693147182f;
 constexpr float kWordBoundMargin = 1.0f / 1024.0f;
 
@@ -148,15 +148,64 @@ __device__ __forceinline__ float WordUpperBound(float scaled, uint32_t word) {
                    __fmaf_ru(kf + 1.0f, kWordBoundLn2, kWordBoundMargin));
 }
 
-__device__ __forceinline__ void WordBounds(float scaled, uint32_t word,
-                                           float* lower, float* upper) {
+// A lower bound on the score of a token that does not hold its block's
+// minimum, from its word and the block's uniform U, for the thresholds of
+// calls without a floor. Its noise is -ln(E_min + E') with E_min =
+// -ln(U) / 16 and E' = -ln v. With k leading one bits in the word's top 23,
+// v >= 1 - 2^-k, so E' <= -ln(1 - 2^-k) <= 2^-k + 2^-2k for k >= 1 (x <= 1/2:
+// -ln(1 - x) <= x + x^2), and E' <= 24 ln 2 < 16.64 for k = 0 (v >= 2^-24).
+// E_min is bounded above from the fast logarithm (lg2.approx is within
+// 2^-21.4 absolutely on [0.5, 2], 3 ulp elsewhere: a relative 2^-10 and an
+// absolute 2^-24 cover it), and the noise below from the fast logarithm of
+// the sum, less kPruneMargin; the sum with `scaled` rounds down.
+__device__ __forceinline__ float WordLowerBound(float scaled, uint32_t word,
+                                                float uniform) {
+  constexpr float kLn2 = 0.693147182f;
   const int k = min(__clz(~word), 23);
-  const float noise_lower =
-      k == 0 ? -2.8125f - kWordBoundMargin
-             : __fmaf_rd(static_cast<float>(k), kWordBoundLn2,
-                         -0.5f - kWordBoundMargin);
-  *lower = __fadd_rd(scaled, noise_lower);
-  *upper = WordUpperBound(scaled, word);
+  // 2^-k exactly, from the exponent bits.
+  const float x = __int_as_float((127 - k) << 23);
+  const float exponential_word = k == 0 ? 16.64f : __fmaf_ru(x, x, x);
+  const float min_exponential =
+      __fmaf_ru(__fmul_ru(-kLn2 / 16.0f, FastLog2(uniform)),
+                1.0f + 1.0f / 1024.0f, 5.9604645e-08f);
+  const float noise =
+      __fmul_rd(-kLn2, FastLog2(__fadd_ru(min_exponential, exponential_word)));
+  return __fadd_rd(scaled, __fadd_rd(noise, -kPruneMargin));
+}
+
+// Bounds on the score of a block's first slot, whose noise -ln(-ln(U) / 16)
+// is G(U) + ln 16 with G(U) = -ln(-ln U) (the fp32 value within 1e-5 of it),
+// from `scaled` of that token and the block's uniform U. PruneBounds
+// brackets scaled' + G(U) within kPruneMargin; moving scaled' by ln 16
+// rounded outwards keeps each bound on its side. Every other slot of the
+// block has a smaller noise (E_min + E' > E_min), so BlockUpperBound of a
+// block's largest scaled logit bounds every score in the block: a block
+// whose bound is below a score already reached cannot hold the winner.
+constexpr float kLn16Down = 2.7725885f;  // ln 16 = 2.77258872...
+constexpr float kLn16Up = 2.7725887f;
+
+__device__ __forceinline__ float BlockUpperBound(float scaled, float uniform) {
+  float lower;
+  float upper;
+  PruneBounds(__fadd_ru(scaled, kLn16Up), uniform, &lower, &upper);
+  return upper;
+}
+
+__device__ __forceinline__ float BlockFirstLowerBound(float scaled,
+                                                      float uniform) {
+  float lower;
+  float upper;
+  PruneBounds(__fadd_rd(scaled, kLn16Down), uniform, &lower, &upper);
+  return lower;
+}
+
+// The noise of one slot of a block (BlockSlotGumbel) with the epilogue's
+// branch-free logarithm: bit for bit the same (NoiseSelfCheck).
+__device__ __forceinline__ float FastBlockSlotGumbel(const NoiseBlock& block,
+                                                     bool first_slot,
+                                                     uint32_t word) {
+  return BlockSlotGumbel(BlockMinExponential(block.uniform, LogRangeDivide{}),
+                         first_slot, word, LogRangeDivide{});
 }
 
 // Staging of the mma.sync path (ScoreFragments): one m16 x n8 fragment at a
@@ -179,9 +228,6 @@ struct EpilogueShared {
   uint64_t seed[kBlockN];
   uint64_t step[kBlockN];
   unsigned long long best[kBlockN];  // packed candidates, one sample at a time
-  // Per column, a score some token of this launch already reached (see
-  // LoadColumnFloors); -inf when unknown.
-  float floor_score[kBlockN];
   float staging[kWarps][kStaging];
 };
 
@@ -225,34 +271,41 @@ __device__ __forceinline__ void LoadColumnParams(const FusedArgs& args,
   }
 }
 
-// Loads, per batch column, the score of the best candidate any CTA has
-// published so far for (sample, row) into the in-kernel stage-2 keys. The
-// final winner scores at least that much, so a token whose score is bounded
-// below it cannot win (PruneBounds). Where per-tile candidates are written
-// (StoreCandidates), every key is also one of them, so a tile pruned
-// against it may report a dominated candidate without changing the
-// reduction; without them the keys are the reduction. Keys are zero at the
-// start of every launch (the last CTA re-zeroes them), and every non-zero
-// key is a real candidate of this launch; a stale read is still a valid
-// floor since keys only grow.
-template <typename Shared>
-__device__ __forceinline__ void LoadColumnFloors(const FusedArgs& args,
-                                                 int sample, int batch_base,
-                                                 int thread, int num_threads,
-                                                 Shared& shared) {
-  constexpr int kBlockN = Shared::kColumns;
-  const bool use = args.keys != nullptr;
-  for (int i = thread; i < kBlockN; i += num_threads) {
-    const int b = batch_base + i;
-    float floor = -__int_as_float(0x7f800000);  // -inf
-    if (use && b < args.batch) {
-      const unsigned long long key =
-          *reinterpret_cast<const volatile unsigned long long*>(
-              &args.keys[sample * args.batch + b]);
-      if (key != 0) floor = UnpackCandidate(key).score;
-    }
-    shared.floor_score[i] = floor;
-  }
+// The best candidate any CTA has published so far for (sample, batch row b)
+// into the in-kernel stage-2 keys (0 when none, or without keys), and its
+// score as a floor (-inf for none). The final winner scores at least that much,
+// so a token whose score is bounded below it cannot win (PruneBounds). Where
+// per-tile candidates are written (StoreCandidates), every key is also one of
+// them, so a tile pruned against it may report a dominated candidate without
+// changing the reduction; without them the keys are the reduction. Keys are
+// zero at the start of every launch (the last CTA re-zeroes them), and every
+// non-zero key is a real candidate of this launch; a stale read is still a
+// valid floor since keys only grow. The wgmma epilogue reads the keys
+// afresh for every scoring call (one call ahead, and decoded only when
+// used, so that the load's latency hides behind the call before): the
+// sampled rows' candidates are published as soon as they are found
+// (PublishFloor), so later calls of any CTA prune against them.
+__device__ __forceinline__ unsigned long long ColumnKey(const FusedArgs& args,
+                                                        int sample, int b) {
+  if (args.keys == nullptr || b >= args.batch) return 0ull;
+  return *reinterpret_cast<const volatile unsigned long long*>(
+      &args.keys[sample * args.batch + b]);
+}
+
+__device__ __forceinline__ float FloorOfKey(unsigned long long key) {
+  return key == 0 ? -__int_as_float(0x7f800000) : UnpackCandidate(key).score;
+}
+
+// ColumnKey of the column a lane scores in the wgmma staging
+// (ScoreStagedQuad: two lanes per column) of the 16 columns from col0.
+__device__ __forceinline__ unsigned long long StagedLaneKey(
+    const FusedArgs& args, int sample, int batch_base, int col0) {
+  return ColumnKey(args, sample, batch_base + col0 + ((threadIdx.x & 31) >> 1));
+}
+
+__device__ __forceinline__ void PublishFloor(const FusedArgs& args, int sample,
+                                             int b, unsigned long long key) {
+  if (args.keys != nullptr) atomicMax(&args.keys[sample * args.batch + b], key);
 }
 
 // Logit sources for ScoreRuns: a lane's kRuns x 4 logits in registers
@@ -285,6 +338,120 @@ struct StagedLogits {
   __device__ __forceinline__ float At(int i) const { return base[i]; }
 };
 
+// A noise block whose bound did not rule it out (ScoreRuns' block path),
+// with what the lanes that score its tokens need.
+struct SurvivingBlock {
+  const float* logits;  // its 16 staged logits
+  int32_t token0;       // global id of its first token (a multiple of 16)
+  int col;              // CTA-local batch column
+  int row;              // its batch row
+  int valid_tokens;     // tokens before the shard's end (0 .. 16)
+  uint32_t first_slot;  // NoiseBlockOf's slot and uniform
+  float uniform;
+  float inv_temperature;  // of its row
+  float threshold;        // a score its winner must reach (a real candidate's)
+};
+
+__device__ __forceinline__ SurvivingBlock
+ShuffleSurvivingBlock(const SurvivingBlock& block, int source) {
+  constexpr unsigned kAll = 0xffffffffu;
+  SurvivingBlock out;
+  out.logits = reinterpret_cast<const float*>(__shfl_sync(
+      kAll, reinterpret_cast<unsigned long long>(block.logits), source));
+  out.token0 = __shfl_sync(kAll, block.token0, source);
+  out.col = __shfl_sync(kAll, block.col, source);
+  out.row = __shfl_sync(kAll, block.row, source);
+  out.valid_tokens = __shfl_sync(kAll, block.valid_tokens, source);
+  out.first_slot = __shfl_sync(kAll, block.first_slot, source);
+  out.uniform = __shfl_sync(kAll, block.uniform, source);
+  out.inv_temperature = __shfl_sync(kAll, block.inv_temperature, source);
+  out.threshold = __shfl_sync(kAll, block.threshold, source);
+  return out;
+}
+
+// Scores the tokens of the warp's surviving blocks (`pending`: the lanes
+// whose block survived; `mine`: this lane's, read only where its bit is
+// set), eight blocks at a time: four lanes per block, each with one Philox
+// call of token words for 4 of its tokens. A warp with a few surviving
+// blocks (the usual case once a floor is known) then pays one call's
+// latency, not every lane's four. Each token is bounded by its word (or,
+// the first slot, by the block's call), then by the fast logarithm, against
+// the block's threshold and the lane's best exact score; the rest get the
+// exact noise, and each lane merges its best into shared.best and
+// publishes it as a floor directly.
+template <typename Shared>
+__device__ __forceinline__ void ScoreSurvivingBlocks(uint32_t pending,
+                                                     const SurvivingBlock& mine,
+                                                     int sample,
+                                                     const FusedArgs& args,
+                                                     Shared& shared) {
+  const int lane = threadIdx.x & 31;
+  const int task = lane >> 2;  // which of this round's blocks
+  const int part = lane & 3;   // which run of 4 of its tokens
+  while (pending != 0) {       // warp-uniform
+    const uint32_t source = __fns(pending, 0, task + 1);  // >= 32: none
+    const bool active = source < 32;
+    const SurvivingBlock block =
+        ShuffleSurvivingBlock(mine, active ? static_cast<int>(source) : lane);
+    // Clear the round's (up to) eight blocks.
+    const uint32_t last = __fns(pending, 0, 8);
+    pending = last < 31 ? pending & (0xfffffffeu << last) : 0u;
+    if (!active) continue;
+    const Philox4x32 words =
+        NoiseBits4(shared.seed[block.col], shared.step[block.col],
+                   static_cast<uint32_t>(sample),
+                   static_cast<uint32_t>((block.token0 >> 2) + part));
+    const NoiseBlock noise_block{block.first_slot, block.uniform};
+    // Bounds first, for the lane's 4 tokens: from the word (the first
+    // slot: from the block's call) against the threshold. Strictly below a
+    // score reached: strictly worse than that token, so it cannot win.
+    uint32_t candidates = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int slot = 4 * part + q;
+      const float scaled = __fmul_rn(block.logits[slot], block.inv_temperature);
+      const float upper = static_cast<uint32_t>(slot) == block.first_slot
+                              ? BlockUpperBound(scaled, block.uniform)
+                              : WordUpperBound(scaled, words.v[q]);
+      if (slot < block.valid_tokens && upper >= block.threshold) {
+        candidates |= 1u << q;
+      }
+    }
+    // Then the exact noise, one token per lane at a time (few lanes have
+    // more than one), after the fast logarithm's bound.
+    float best_score = -__int_as_float(0x7f800000);  // -inf
+    int32_t best_id = kNoToken;
+    while (candidates != 0) {
+      const int q = __ffs(candidates) - 1;
+      candidates &= candidates - 1;
+      const int slot = 4 * part + q;
+      const uint32_t word = SelectWord(words, static_cast<uint32_t>(q));
+      const float logit = block.logits[slot];
+      const float scaled = __fmul_rn(logit, block.inv_temperature);
+      const bool first = static_cast<uint32_t>(slot) == block.first_slot;
+      if (!first) {
+        float fast_lower;
+        float fast_upper;
+        PruneBounds(scaled, UniformFromBits(word), &fast_lower, &fast_upper);
+        if (fast_upper < fmaxf(block.threshold, best_score)) continue;
+      }
+      const float score =
+          GumbelScore(logit, block.inv_temperature,
+                      FastBlockSlotGumbel(noise_block, first, word));
+      const int32_t id = block.token0 + slot;
+      if (CandidateBetter(score, id, best_score, best_id)) {
+        best_score = score;
+        best_id = id;
+      }
+    }
+    if (best_id != kNoToken) {
+      const unsigned long long key = PackCandidate(best_score, best_id);
+      atomicMax(&shared.best[block.col], key);
+      PublishFloor(args, sample, block.row, key);
+    }
+  }
+}
+
 // Scores one lane's share of a column: kRuns runs of 4 consecutive vocab rows
 // (shard-local rows row0 + f * run_stride .. + 3, logits.Run(f)) of CTA-local
 // batch column `col`, for sample `sample`, and merges the column's best into
@@ -295,13 +462,16 @@ struct StagedLogits {
 // profile 2026-11-22, docs/perf/fused_kernel_attempts.md attempt 10).
 // `logits` gives the lane's logits: Run(f) the 4 of run f, At(i) logit i = 4f
 // + q; the wgmma path reads them from its staging buffer when needed rather
-// than keeping 16 of them live next to the 128 accumulators.
+// than keeping 16 of them live next to the 128 accumulators. With
+// `use_floor`, `floor` is a score already reached in this launch for the
+// lane's column (FloorOfKey; -inf when none), and sampled rows' candidates
+// are published as floors (PublishFloor).
 template <int kRuns, int kLanesPerColumn, typename Logits, typename Shared>
 __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
                                           int run_stride, int col, int sample,
                                           bool store_logits, int batch_base,
                                           const FusedArgs& args, Shared& shared,
-                                          bool use_floor) {
+                                          bool use_floor, float floor) {
   static_assert(kLanesPerColumn == 2 || kLanesPerColumn == 4, "lane groups");
   // Rows as arithmetic, not an array: a run-time pick into an array of
   // rows put it in local memory.
@@ -324,103 +494,199 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
   const bool in_batch = b < args.batch;
   const float inv_temperature = in_batch ? shared.inv_temperature[col] : 0.0f;
   const bool noisy = in_batch && inv_temperature != 0.0f;
-  if (in_batch && store_logits && args.logits_out != nullptr) {
-    float* out = args.logits_out + static_cast<int64_t>(b) * args.vocab_rows;
+  // Calls visit(f, q, logit) for each of the lane's rows before the
+  // shard's end.
+  const auto for_each_valid = [&](auto visit) {
 #pragma unroll
     for (int f = 0; f < kRuns; ++f) {
       const float4 run = logits.Run(f);
       const float values[4] = {run.x, run.y, run.z, run.w};
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        if (valid(f, q)) out[row(f) + q] = values[q];
+        if (valid(f, q)) visit(f, q, values[q]);
       }
     }
+  };
+  if (in_batch && store_logits && args.logits_out != nullptr) {
+    float* out = args.logits_out + static_cast<int64_t>(b) * args.vocab_rows;
+    for_each_valid([&](int f, int q, float logit) { out[row(f) + q] = logit; });
   }
   float best_score = -__int_as_float(0x7f800000);  // -inf
   int32_t best_id = kNoToken;
-  // Exact pruning, in three steps of growing cost: bounds from the Philox
-  // word alone (WordBounds, no logarithm) against the column's best lower
-  // bound and the launch's floor; for the few tokens left, bounds from the
-  // fast logarithm (PruneBounds) against that and the best exact score so
-  // far; the exact noise only for what is left (about 1 token per column
-  // early in a launch, almost none once the floor is known).
-  // Only the upper bounds stay live: a survivor's Philox word is computed
-  // again (survivors are rare, and 16 more live registers per lane made the
-  // 128-column wgmma kernel spill).
-  float upper[kRuns][4];
   float threshold = -__int_as_float(0x7f800000);  // -inf
   uint64_t seed = 0;
   uint64_t step = 0;
-  const bool floors_known =
-      use_floor &&
-      __all_sync(0xffffffffu, !noisy || shared.floor_score[col] >
-                                            -__int_as_float(0x7f800000));
   if (noisy) {
     seed = shared.seed[col];
     step = shared.step[col];
-    if (use_floor) threshold = shared.floor_score[col];
-    // Tokens token0 .. token0 + 3 take words o .. o + 3 of the Philox
-    // groups token0 / 4 and token0 / 4 + 1, o = token0 % 4. With shard
-    // offsets a multiple of 4 (the usual case) o = 0 and one call serves
-    // the four tokens; the second call runs only otherwise (o is the same
-    // for the whole launch, so the branch never diverges).
-    const uint32_t o = static_cast<uint32_t>(args.vocab_offset & 3);
-    // with_lower: also the tokens' own lower bounds for the threshold.
-    const auto bound_runs = [&](auto with_lower) {
+    if (use_floor) threshold = floor;
+  }
+  // Exact pruning. A token's noise is at most its block's largest
+  // (philox.h, NoiseBlockOf), so where a lane's 16 tokens are one noise
+  // block (the wgmma staging, on a shard whose offset is a multiple of 16)
+  // one Philox call and the block's largest logit bound all 16 scores. Once
+  // the launch's floor is known, a block below the threshold (the floor,
+  // the CTA's best so far) needs no token words at all: ~99.5% of the
+  // blocks of the benchmark's flat rows (docs/perf/fused_kernel_attempts.md,
+  // attempt 27); the few left are scored by ScoreSurvivingBlocks, four
+  // lanes each.
+  constexpr bool kBlockLayout =
+      kRuns * 4 == static_cast<int>(kNoiseBlockTokens) &&
+      std::is_same<Logits, StagedLogits>::value;
+  // Once every sampled column of the warp has a floor (warp-uniform), the
+  // block path below prunes whole blocks; before that (a CTA's first
+  // scoring calls, launches without the keys, the mma.sync layout) most
+  // blocks would survive, and every lane bounds its own tokens instead.
+  const bool floors_known =
+      use_floor &&
+      __all_sync(0xffffffffu,
+                 !noisy || threshold > -__int_as_float(0x7f800000));
+  // In the wgmma staging, on a shard whose offset is a multiple of 16
+  // (uniform over the launch), a lane's 16 tokens are one noise block.
+  const bool lane_holds_block =
+      kBlockLayout && run_stride == 4 &&
+      (args.vocab_offset & (kNoiseBlockTokens - 1)) == 0;
+  bool block_path = false;
+  if constexpr (kBlockLayout) {
+    block_path = floors_known && lane_holds_block;
+    if (block_path) {
+      // Warp-uniform branch; `noisy` differs between columns, so the
+      // shuffles and votes below sit outside the per-lane branches.
+      const int64_t token0 = args.vocab_offset + row(0);
+      NoiseBlock block{};
+      float block_upper = -__int_as_float(0x7f800000);
+      if (noisy) {
+        block = NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
+                             static_cast<uint32_t>(token0 >> kNoiseBlockShift));
+        float max_logit = -__int_as_float(0x7f800000);
+        if (valid_rows == kRuns * 4) {  // every tile but a shard's last
+#pragma unroll
+          for (int f = 0; f < kRuns; ++f) {
+            const float4 run = logits.Run(f);
+            max_logit = fmaxf(fmaxf(max_logit, fmaxf(run.x, run.y)),
+                              fmaxf(run.z, run.w));
+          }
+        } else {
+          for_each_valid([&](int, int, float logit) {
+            max_logit = fmaxf(max_logit, logit);
+          });
+        }
+        if (valid_rows > 0) {
+          block_upper = BlockUpperBound(__fmul_rn(max_logit, inv_temperature),
+                                        block.uniform);
+        }
+        // The CTA's best for this column so far (other warps' blocks of
+        // this item) is a real candidate of this launch, so a valid floor.
+        const unsigned long long best_key =
+            *reinterpret_cast<const volatile unsigned long long*>(
+                &shared.best[col]);
+        threshold = fmaxf(threshold, UnpackCandidate(best_key).score);
+      }
+      const bool survives = noisy && block_upper >= threshold;
+      const uint32_t pending = __ballot_sync(0xffffffffu, survives);
+      if (pending != 0) {  // warp-uniform; few calls
+        SurvivingBlock mine;
+        mine.logits = logits.base;
+        mine.token0 = static_cast<int32_t>(token0);
+        mine.col = col;
+        mine.row = b;
+        mine.valid_tokens = valid_rows;
+        mine.first_slot = block.first_slot;
+        mine.uniform = block.uniform;
+        mine.inv_temperature = inv_temperature;
+        mine.threshold = threshold;
+        ScoreSurvivingBlocks(pending, mine, sample, args, shared);
+      }
+    }
+  }
+  if (!block_path) {  // warp-uniform
+    // Every token of the lane is bounded by its own word, or by its block's
+    // call where it holds the block's minimum: from above, and, without a
+    // floor, from below for the threshold (the column's best lower bound).
+    // Then, against the threshold and the best exact score so far, by the
+    // fast logarithm; the rest get the exact noise. A run of 4 that starts
+    // on a token group (shard offset a multiple of 4, uniform over the
+    // launch) shares one word call and lies in one block. Only the upper
+    // bounds stay live: a survivor's Philox calls are made again (survivors
+    // are few).
+    const auto token_word = [&](int64_t token) {
+      return SelectWord(NoiseBits4(seed, step, static_cast<uint32_t>(sample),
+                                   static_cast<uint32_t>(token >> 2)),
+                        static_cast<uint32_t>(token & 3));
+    };
+    NoiseBlock lane_block{};  // one call where the lane holds a block
+    if (noisy && lane_holds_block) {
+      lane_block =
+          NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
+                       static_cast<uint32_t>((args.vocab_offset + row(0)) >>
+                                             kNoiseBlockShift));
+    }
+    const auto block_of = [&](int64_t token) {
+      return lane_holds_block
+                 ? lane_block
+                 : NoiseBlockOf(
+                       seed, step, static_cast<uint32_t>(sample),
+                       static_cast<uint32_t>(token >> kNoiseBlockShift));
+    };
+    const auto is_first = [](int64_t token, const NoiseBlock& token_block) {
+      return static_cast<uint32_t>(token & (kNoiseBlockTokens - 1)) ==
+             token_block.first_slot;
+    };
+    float upper[kRuns][4];
+#pragma unroll
+    for (int f = 0; f < kRuns; ++f) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) upper[f][q] = -__int_as_float(0x7f800000);
+    }
+    if (noisy) {
 #pragma unroll
       for (int f = 0; f < kRuns; ++f) {
-        const uint32_t group =
-            static_cast<uint32_t>((args.vocab_offset + row(f)) >> 2);
-        const Philox4x32 lo =
-            NoiseBits4(seed, step, static_cast<uint32_t>(sample), group);
-        Philox4x32 hi = lo;
-        if (o != 0) {
-          hi = NoiseBits4(seed, step, static_cast<uint32_t>(sample), group + 1);
+        const int64_t token0 = args.vocab_offset + row(f);
+        const bool grouped = (token0 & 3) == 0;
+        Philox4x32 words{};
+        NoiseBlock run_block{};
+        if (grouped) {
+          words = NoiseBits4(seed, step, static_cast<uint32_t>(sample),
+                             static_cast<uint32_t>(token0 >> 2));
+          run_block = block_of(token0);
         }
         const float4 run = logits.Run(f);
         const float values[4] = {run.x, run.y, run.z, run.w};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          uint32_t word = lo.v[q];
-          if (o != 0) {
-            const uint32_t index = o + q;  // 1 .. 6
-            word =
-                index < 4 ? SelectWord(lo, index) : SelectWord(hi, index - 4);
-          }
+          if (!valid(f, q)) continue;
+          const int64_t token = token0 + q;
+          const NoiseBlock token_block = grouped ? run_block : block_of(token);
           const float scaled = __fmul_rn(values[q], inv_temperature);
-          if constexpr (decltype(with_lower)::value) {
-            float lower;
-            WordBounds(scaled, word, &lower, &upper[f][q]);
-            if (valid(f, q)) threshold = fmaxf(threshold, lower);
+          if (is_first(token, token_block)) {
+            upper[f][q] = BlockUpperBound(scaled, token_block.uniform);
+            if (!floors_known) {
+              threshold = fmaxf(
+                  threshold, BlockFirstLowerBound(scaled, token_block.uniform));
+            }
           } else {
+            const uint32_t word = grouped ? words.v[q] : token_word(token);
             upper[f][q] = WordUpperBound(scaled, word);
+            if (!floors_known) {
+              threshold = fmaxf(
+                  threshold, WordLowerBound(scaled, word, token_block.uniform));
+            }
           }
         }
       }
-    };
-    // Once every sampled column of the warp has a floor (after a CTA's
-    // first items), a token's own lower bound almost never beats it: skip
-    // them (warp-uniform; ~4 instructions per token). Pruning against the
-    // floor alone is just as exact, only looser.
-    if (floors_known) {
-      bound_runs(std::false_type{});
-    } else {
-      bound_runs(std::true_type{});
     }
-  }
-  // The lanes of a column hold the same `noisy`; the others pass -inf.
+    // The lanes of a column hold the same `noisy`; the others pass -inf.
 #pragma unroll
-  for (int offset = 1; offset < kLanesPerColumn; offset <<= 1) {
-    threshold =
-        fmaxf(threshold, __shfl_xor_sync(0xffffffffu, threshold, offset));
-  }
-  if (noisy) {
+    for (int offset = 1; offset < kLanesPerColumn; offset <<= 1) {
+      threshold =
+          fmaxf(threshold, __shfl_xor_sync(0xffffffffu, threshold, offset));
+    }
     uint32_t survivors = 0;
 #pragma unroll
     for (int f = 0; f < kRuns; ++f) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        if (valid(f, q) && upper[f][q] >= threshold) {
+        if (noisy && valid(f, q) && upper[f][q] >= threshold) {
           survivors |= 1u << (4 * f + q);
         }
       }
@@ -429,44 +695,41 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
       const int pick = __ffs(survivors) - 1;
       survivors &= survivors - 1;
       const float logit = logits.At(pick);
-      const int64_t pick_row = row(pick / 4) + (pick & 3);
-      const int64_t token = args.vocab_offset + pick_row;
-      const uint32_t word =
-          SelectWord(NoiseBits4(seed, step, static_cast<uint32_t>(sample),
-                                static_cast<uint32_t>(token >> 2)),
-                     static_cast<uint32_t>(token & 3));
-      const float u = UniformFromBits(word);
-      float fast_lower;
+      const int64_t token = args.vocab_offset + row(pick / 4) + (pick & 3);
+      const NoiseBlock token_block = block_of(token);
+      const bool first = is_first(token, token_block);
+      const float scaled = __fmul_rn(logit, inv_temperature);
+      uint32_t word = 0;
       float fast_upper;
-      PruneBounds(__fmul_rn(logit, inv_temperature), u, &fast_lower,
-                  &fast_upper);
-      // Strictly below a token's lower bound or an evaluated candidate:
-      // strictly worse than that token, so it cannot win.
+      if (first) {
+        fast_upper = BlockUpperBound(scaled, token_block.uniform);
+      } else {
+        word = token_word(token);
+        float fast_lower;
+        PruneBounds(scaled, UniformFromBits(word), &fast_lower, &fast_upper);
+      }
+      // Strictly below a score reached: strictly worse than that token, so
+      // it cannot win.
       if (fast_upper < fmaxf(threshold, best_score)) continue;
       const float score =
-          GumbelScore(logit, inv_temperature, FastGumbelFromUniform(u));
+          GumbelScore(logit, inv_temperature,
+                      FastBlockSlotGumbel(token_block, first, word));
       const int32_t id = static_cast<int32_t>(token);
       if (CandidateBetter(score, id, best_score, best_id)) {
         best_score = score;
         best_id = id;
       }
     }
-  } else if (in_batch) {
+  }
+  if (!noisy && in_batch) {
     // Greedy: argmax of the logit itself, no noise.
-#pragma unroll
-    for (int f = 0; f < kRuns; ++f) {
-      const float4 run = logits.Run(f);
-      const float values[4] = {run.x, run.y, run.z, run.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int32_t id = static_cast<int32_t>(args.vocab_offset + row(f) + q);
-        if (valid(f, q) &&
-            CandidateBetter(values[q], id, best_score, best_id)) {
-          best_score = values[q];
-          best_id = id;
-        }
+    for_each_valid([&](int f, int q, float logit) {
+      const int32_t id = static_cast<int32_t>(args.vocab_offset + row(f) + q);
+      if (CandidateBetter(logit, id, best_score, best_id)) {
+        best_score = logit;
+        best_id = id;
       }
-    }
+    });
   }
   // With pruning most calls leave no candidate in the whole warp: skip the
   // merge then (warp-uniform).
@@ -481,7 +744,11 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
     }
   }
   if ((lane & (kLanesPerColumn - 1)) == 0 && in_batch && best_id != kNoToken) {
-    atomicMax(&shared.best[col], PackCandidate(best_score, best_id));
+    const unsigned long long key = PackCandidate(best_score, best_id);
+    atomicMax(&shared.best[col], key);
+    // Sampled rows prune against the keys: publish now rather than at the
+    // item's end (greedy rows do not prune; StoreCandidates publishes them).
+    if (noisy && use_floor) PublishFloor(args, sample, b, key);
   }
 }
 
@@ -516,7 +783,7 @@ __device__ __forceinline__ void ScoreFragments(
   }
   ScoreRuns<kCount, 4>(RegisterLogits<kCount>{logits}, row0 + 4 * (lane & 3),
                        16, col0 + (lane >> 2), sample, store_logits, batch_base,
-                       args, shared, use_floor);
+                       args, shared, use_floor, -__int_as_float(0x7f800000));
 }
 
 // The wgmma path: scores four m16 x n8 fragments of a warp, frags[h][v] for
@@ -553,25 +820,26 @@ __device__ __forceinline__ void StageFragmentQuad(const float (&frags)[2][2][4],
 template <typename Shared>
 __device__ __forceinline__ void ScoreStagedQuad(
     const float* staging, int64_t row0, int col0, int sample, bool store_logits,
-    int batch_base, const FusedArgs& args, Shared& shared, bool use_floor) {
+    int batch_base, const FusedArgs& args, Shared& shared, float floor) {
   const int lane = threadIdx.x & 31;
   const int column = lane >> 1;
   const int half = lane & 1;
   const StagedLogits lane_logits{staging + column * kQuadStagingStride +
                                  16 * half};
   ScoreRuns<4, 2>(lane_logits, row0 + 64 * half, 4, col0 + column, sample,
-                  store_logits, batch_base, args, shared, use_floor);
+                  store_logits, batch_base, args, shared, /*use_floor=*/true,
+                  floor);
 }
 
 template <typename Shared>
 __device__ __forceinline__ void ScoreFragmentQuad(
     const float (&frags)[2][2][4], int64_t row0, int col0, int sample,
     bool store_logits, int batch_base, const FusedArgs& args, float* staging,
-    Shared& shared, bool use_floor) {
+    Shared& shared, float floor) {
   StageFragmentQuad(frags, staging);
   __syncwarp();
   ScoreStagedQuad(staging, row0, col0, sample, store_logits, batch_base, args,
-                  shared, use_floor);
+                  shared, floor);
   // Every lane is done with the staging buffer before the next call's
   // stores (ScoreRuns' last shuffles need not run).
   __syncwarp();

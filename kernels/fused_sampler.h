@@ -139,31 +139,35 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
 
 // Counts, into the device word `mismatches` (zeroed here), the uniforms --
 // all 2^23 of them -- for which the kernels' branch-free Gumbel noise
-// differs in any bit from GumbelFromUniform (kernels/philox.h). Anything
-// but 0 means this device must not serve (the CUDA engine checks at start).
+// (FastGumbelFromUniform, and the block noise of a first and another slot)
+// differs in any bit from kernels/philox.h's. Anything but 0 means this
+// device must not serve (the CUDA engine checks at start).
 cudaError_t LaunchNoiseSelfCheck(unsigned int* mismatches, cudaStream_t stream);
 
 // The pruning brackets of the stage-1 epilogue (fused_epilogue.cuh): bounds
-// on a token's score from the Philox word alone (WordBounds) and from the
-// fast logarithm (PruneBounds). Each upper bound is what a token is compared
-// with before it is skipped (against the best lower bound, the best exact
-// score and the launch's floor), each WordBounds lower bound what it is
-// skipped against; pruning is exact only if every bound holds.
+// on a token's score from its Philox word (WordUpperBound, and with its
+// block's uniform WordLowerBound), from the fast logarithm (PruneBounds) and
+// from its block's call (BlockUpperBound, BlockFirstLowerBound). Each upper
+// bound is what a token or a whole block is compared with before it is
+// skipped (against the launch's floor, the best exact score and, without a
+// floor, the best lower bound); pruning is exact only if every bound holds.
 enum NoiseBracket {
-  kNoiseBracketWordLower = 0,  // WordBounds lower <= exact score
-  kNoiseBracketWordUpper,      // WordBounds upper >= exact score
-  kNoiseBracketLogLower,       // PruneBounds lower <= exact score
-  kNoiseBracketLogUpper,       // PruneBounds upper >= exact score
+  kNoiseBracketWordUpper = 0,    // WordUpperBound >= another slot's score
+  kNoiseBracketWordLower,        // WordLowerBound <= another slot's score
+  kNoiseBracketLogLower,         // PruneBounds lower <= score of G(u)
+  kNoiseBracketLogUpper,         // PruneBounds upper >= score of G(u)
+  kNoiseBracketBlockFirstLower,  // BlockFirstLowerBound <= first slot's
+  kNoiseBracketBlockFirstUpper,  // BlockUpperBound >= first slot's score
+  kNoiseBracketBlockOtherUpper,  // BlockUpperBound >= another slot's score
   kNoiseBracketCount,
 };
 
 // Counts, into the device array violations[kNoiseBracketCount] (zeroed
 // here), the cases -- every one of the 2^23 uniforms, both extremes of the
 // Philox word's unused low bits, several (logit, inv_temperature) pairs --
-// where the exact score GumbelScore(logit, inv_t, GumbelFromUniform(u))
-// falls outside a bracket, as the kernels compute it. Anything but all 0
-// means pruning could change tokens: this device must not serve (the CUDA
-// engine checks at start).
+// where an exact score (philox.h's noise) falls outside a bracket, as the
+// kernels compute it. Anything but all 0 means pruning could change tokens:
+// this device must not serve (the CUDA engine checks at start).
 cudaError_t LaunchNoiseBracketCheck(unsigned int* violations,
                                     cudaStream_t stream);
 

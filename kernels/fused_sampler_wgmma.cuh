@@ -409,19 +409,37 @@ __global__ void __launch_bounds__(384, 1)
       }
       NamedBarrierArrive(kShareBarrier, 256);
     }
+    // Each CTA starts its items' scoring at another group of 16 columns
+    // (CTAs 2c and 2c + 1 share a start: with two batch tiles they score
+    // different rows). Sampled rows publish their candidates as the groups
+    // are scored (PublishFloor), so in the CTAs' first items -- scored at
+    // the same time everywhere, before any item has finished -- all but the
+    // first group already find floors from other CTAs' earlier groups.
+    const int quads = own_columns / 16;
+    const int first_quad = static_cast<int>((blockIdx.x >> 1) % quads);
     for (int sample = 0; sample < args.num_samples; ++sample) {
       for (int i = thread; i < kBlockN; i += 128) {
         epilogue.best[i] = IdentityKey();
       }
-      LoadColumnFloors(args, sample, batch_base, thread, 128, epilogue);
       ptx::NamedBarrier(epilogue_barrier, 128);
-      // Two n8 blocks (16 batch columns) of both m64 halves per call.
+      // Two n8 blocks (16 batch columns) of both m64 halves per call; each
+      // call's floors are loaded during the call before.
+      const auto quad_at = [first_quad, quads](int i) {
+        return first_quad + i < quads ? first_quad + i : first_quad + i - quads;
+      };
+      unsigned long long key =
+          StagedLaneKey(args, sample, batch_base, 16 * first_quad);
 #pragma unroll 1
-      for (int nj = 0; nj < own_columns / 8; nj += 2) {
+      for (int i = 0; i < quads; ++i) {
+        const int quad = quad_at(i);
+        const float floor = FloorOfKey(key);
+        if (i + 1 < quads) {
+          key = StagedLaneKey(args, sample, batch_base, 16 * quad_at(i + 1));
+        }
         float frags[2][2][4];
-        ReadBlockQuad(acc0, acc1, nj / 2, frags);
-        ScoreFragmentQuad(frags, row0, nj * 8, sample, sample == 0, batch_base,
-                          args, staging, epilogue, /*use_floor=*/true);
+        ReadBlockQuad(acc0, acc1, quad, frags);
+        ScoreFragmentQuad(frags, row0, quad * 16, sample, sample == 0,
+                          batch_base, args, staging, epilogue, floor);
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
       StoreCandidates(args, tile, sample, batch_base, own_columns, thread, 128,
@@ -444,13 +462,13 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = thread; i < kBlockN; i += 128) {
         epilogue.best[i] = IdentityKey();
       }
-      LoadColumnFloors(args, sample, batch_base, thread, 128, epilogue);
       ptx::NamedBarrier(epilogue_barrier, 128);
 #pragma unroll 1
       for (int q = 0; q < half_columns / 16; ++q) {
-        ScoreStagedQuad(shared_staging + q * kQuadStagingFloats, row0, q * 16,
-                        sample, sample == 0, batch_base, args, epilogue,
-                        /*use_floor=*/true);
+        ScoreStagedQuad(
+            shared_staging + q * kQuadStagingFloats, row0, q * 16, sample,
+            sample == 0, batch_base, args, epilogue,
+            FloorOfKey(StagedLaneKey(args, sample, batch_base, q * 16)));
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
       StoreCandidates(args, piece.tile, sample, batch_base, half_columns,

@@ -1,6 +1,7 @@
 // Counter-based Gumbel noise shared by the CUDA kernels and the CPU backend.
 // Noise is a pure function of (seed, step, global token id, sample index)
-// (DESIGN.md rule 1), and host and device evaluate it with the same IEEE
+// (DESIGN.md rule 1; built per block of 16 token ids, see NoiseBlockOf),
+// and host and device evaluate it with the same IEEE
 // single-precision operations in the same order, so both produce bit-identical
 // noise: a CPU result and a GPU result differ only where their logits differ.
 #ifndef FLASHSAMPLER_KERNELS_PHILOX_H_
@@ -151,11 +152,12 @@ FS_HOST_DEVICE float GumbelFromUniform(float u) {
   return -AccurateLog(-AccurateLog(u));
 }
 
-// Noise for four consecutive global token ids 4*token_group .. 4*token_group+3
-// of one row: one Philox call keyed by the row's 64-bit seed, counter =
-// (token_group, sample_index, step low word, step high word). Word j of the
-// output is token 4*token_group + j. Nothing here depends on tiles, blocks,
-// batch position or tensor-parallel rank (DESIGN.md rule 1).
+// Token words: four consecutive global token ids 4*token_group ..
+// 4*token_group+3 of one row share one Philox call keyed by the row's 64-bit
+// seed, counter = (token_group, sample_index, step low word, step high
+// word). Word j of the output is token 4*token_group + j. Nothing here
+// depends on tiles, blocks, batch position or tensor-parallel rank
+// (DESIGN.md rule 1).
 FS_HOST_DEVICE Philox4x32 NoiseBits4(uint64_t seed, uint64_t step,
                                      uint32_t sample_index,
                                      uint32_t token_group) {
@@ -166,11 +168,83 @@ FS_HOST_DEVICE Philox4x32 NoiseBits4(uint64_t seed, uint64_t step,
                        static_cast<uint32_t>(seed >> 32));
 }
 
-// Gumbel noise of one token; equal to the matching word of NoiseBits4.
+// Noise blocks. The Gumbel noise of a row is built per block of 16
+// consecutive global token ids (block = token id / 16, a fixed partition of
+// the vocabulary, like the token words) from the order statistics of
+// exponentials: g_i = -log(E_i) with E_i i.i.d. Exp(1) is i.i.d. Gumbel(0, 1),
+// and 16 i.i.d. Exp(1) are drawn exactly as
+//   - their minimum E_min ~ Exp(16), i.e. -log(U) / 16 for a uniform U,
+//   - the slot holding it, uniform over the 16 slots,
+//   - every other slot E_min + E', with E' ~ Exp(1) i.i.d. (memorylessness),
+//     E' = -log(v) for the slot's own uniform v from its token word.
+// So every token's noise is still an exact, independent Gumbel(0, 1), a pure
+// function of (seed, step, global token id, sample index) through Philox4x32-10
+// counters built from those values, and argmax(logit / T + g) is still an
+// exact sample; the same tokens come out at any batch, tile or TP degree. What
+// the construction adds is the block's largest noise, -log(E_min), from one
+// call: a block whose largest scaled logit plus that noise is below a score
+// already reached cannot hold the winner, so none of its token words are
+// needed (the kernels' pruning, docs/perf/fused_kernel_attempts.md attempt 27).
+// In terms of uniforms, the first slot's u is M = U^(1/16) (the maximum of 16
+// uniforms) and the others' are M * v. Resolution: U and v have 2^23 cells
+// (UniformFromBits), so the largest noise is about 19.4 (E_min >= 3.7e-9).
+constexpr uint32_t kNoiseBlockTokens = 16;
+constexpr uint32_t kNoiseBlockShift = 4;  // log2(kNoiseBlockTokens)
+// Marks block counters: token groups are < 2^29 (token ids are int32).
+constexpr uint32_t kNoiseBlockCounterFlag = 0x80000000u;
+
+struct NoiseBlock {
+  uint32_t first_slot;  // token id % 16 of the slot holding E_min
+  float uniform;        // U: E_min = -log(U) / 16
+};
+
+// One Philox call per (row, sample, block): counter = (flag | block,
+// sample_index, step low word, step high word), the row's seed as key. The
+// first slot comes from the low 4 bits of word 0, U from its top 23
+// (UniformFromBits), which do not overlap.
+FS_HOST_DEVICE NoiseBlock NoiseBlockOf(uint64_t seed, uint64_t step,
+                                       uint32_t sample_index, uint32_t block) {
+  const Philox4x32 counter{{kNoiseBlockCounterFlag | block, sample_index,
+                            static_cast<uint32_t>(step),
+                            static_cast<uint32_t>(step >> 32)}};
+  const uint32_t word = Philox4x32_10(counter, static_cast<uint32_t>(seed),
+                                      static_cast<uint32_t>(seed >> 32))
+                            .v[0];
+  return NoiseBlock{word & (kNoiseBlockTokens - 1), UniformFromBits(word)};
+}
+
+// E_min = -log(U) / 16 (the division by 16 is exact).
+template <typename Divide>
+FS_HOST_DEVICE float BlockMinExponential(float uniform, Divide divide) {
+  return FS_FMUL(-AccurateLogWithDivide(uniform, divide), 0.0625f);
+}
+
+// Gumbel noise of one slot of a block: -log(E_min) for the first slot,
+// -log(E_min + (-log v)) with v = UniformFromBits(word) (the token's word of
+// NoiseBits4) for the others. `divide` as in AccurateLogWithDivide.
+template <typename Divide>
+FS_HOST_DEVICE float BlockSlotGumbel(float min_exponential, bool first_slot,
+                                     uint32_t word, Divide divide) {
+  const float exponential =
+      first_slot ? min_exponential
+                 : FS_FADD(min_exponential, -AccurateLogWithDivide(
+                                                UniformFromBits(word), divide));
+  return -AccurateLogWithDivide(exponential, divide);
+}
+
+// Gumbel noise of one token: its block's call and, unless it holds the
+// block's minimum, its token word.
 FS_HOST_DEVICE float GumbelNoise(uint64_t seed, uint64_t step,
                                  uint32_t sample_index, uint32_t token_id) {
-  const Philox4x32 bits = NoiseBits4(seed, step, sample_index, token_id >> 2);
-  return GumbelFromUniform(UniformFromBits(bits.v[token_id & 3u]));
+  const NoiseBlock block =
+      NoiseBlockOf(seed, step, sample_index, token_id >> kNoiseBlockShift);
+  const bool first = (token_id & (kNoiseBlockTokens - 1)) == block.first_slot;
+  const uint32_t word =
+      first ? 0u
+            : NoiseBits4(seed, step, sample_index, token_id >> 2)
+                  .v[token_id & 3u];
+  return BlockSlotGumbel(BlockMinExponential(block.uniform, RoundedDivide{}),
+                         first, word, RoundedDivide{});
 }
 
 // The perturbed score whose argmax over the vocabulary is an exact sample

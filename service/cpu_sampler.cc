@@ -357,8 +357,13 @@ struct TaskRow {
   ChunkFinal fin;
   TopBuffer top_processed;
   TopBuffer top_raw;
-  std::vector<uint32_t> noise_group;  // per sample: cached NoiseBits4 group
+  // Per sample: the cached NoiseBits4 group and noise block (its call and
+  // E_min), each recomputed only when the token walk enters a new one.
+  std::vector<uint32_t> noise_group;
   std::vector<Philox4x32> noise_bits;
+  std::vector<uint32_t> noise_block_index;
+  std::vector<NoiseBlock> noise_block;
+  std::vector<float> noise_min_exponential;
 
   void Fail(int32_t token, std::string message) {
     if (!failed || token < error_token) {
@@ -477,17 +482,28 @@ void VisitFinal(const Row& row, const float* z, const float* l, const float* x,
       continue;
     }
     const uint32_t group = static_cast<uint32_t>(id) >> 2;
+    const uint32_t block = static_cast<uint32_t>(id) >> kNoiseBlockShift;
+    const uint32_t slot = static_cast<uint32_t>(id) & (kNoiseBlockTokens - 1);
     for (int j = 0; j < row.n; ++j) {
       BestOf& best = tr.fin.best[j];
       // Exact pruning: score = fl(x + g) <= fl(x + max g) < best.
       if (xc + max_gumbel < best.score) continue;
-      if (tr.noise_group[j] != group) {
-        tr.noise_group[j] = group;
-        tr.noise_bits[j] =
-            NoiseBits4(row.seed, row.step, static_cast<uint32_t>(j), group);
+      // GumbelNoise (kernels/philox.h), with each Philox call made once.
+      const auto sample = static_cast<uint32_t>(j);
+      if (tr.noise_block_index[j] != block) {
+        tr.noise_block_index[j] = block;
+        tr.noise_block[j] = NoiseBlockOf(row.seed, row.step, sample, block);
+        tr.noise_min_exponential[j] =
+            BlockMinExponential(tr.noise_block[j].uniform, RoundedDivide{});
       }
-      const float g =
-          GumbelFromUniform(UniformFromBits(tr.noise_bits[j].v[id & 3]));
+      const bool first = slot == tr.noise_block[j].first_slot;
+      if (!first && tr.noise_group[j] != group) {
+        tr.noise_group[j] = group;
+        tr.noise_bits[j] = NoiseBits4(row.seed, row.step, sample, group);
+      }
+      const float g = BlockSlotGumbel(tr.noise_min_exponential[j], first,
+                                      first ? 0u : tr.noise_bits[j].v[id & 3],
+                                      RoundedDivide{});
       const float score = GumbelScore(l[c], row.inv_t, g);
       if (CandidateBetter(score, id, best.score, best.id))
         best = {score, id, xc, z[c]};
@@ -862,10 +878,14 @@ struct CpuSampler::Call {
 };
 
 float MaxGumbelNoise() {
-  // GumbelFromUniform is non-decreasing over all 2^23 cells (philox_test
-  // checks every cell, and its arithmetic is the same on every host), so the
-  // top cell holds the maximum.
-  return GumbelFromUniform(UniformFromBits(0xffffffffu));
+  // Every noise is -log(E) with E >= the smallest E_min, the top cell's
+  // -log(1 - 2^-24) / 16 (AccurateLog is within 1 ulp, so E_min is
+  // non-increasing in U up to that): AccurateLog's error at that point and
+  // at E is under 4e-6, far inside the 2^-10 added (philox_test checks
+  // every block cell and samples of the other slots).
+  const float smallest =
+      BlockMinExponential(UniformFromBits(0xffffffffu), RoundedDivide{});
+  return -AccurateLog(smallest) + 1.0f / 1024.0f;
 }
 
 CpuSampler::CpuSampler(std::shared_ptr<const std::vector<float>> weights,
@@ -1029,6 +1049,9 @@ void CpuSampler::RunTask(Call& call, int block, int64_t chunk) const {
         tr.top_raw.Reset(row.top_n_raw);
         tr.noise_group.assign(row.n, 0xffffffffu);
         tr.noise_bits.assign(row.n, Philox4x32{});
+        tr.noise_block_index.assign(row.n, 0xffffffffu);
+        tr.noise_block.assign(row.n, NoiseBlock{});
+        tr.noise_min_exponential.assign(row.n, 0.0f);
         tr.cursor_k.Start(row.cut_k, chunk);
         tr.cursor_p.Start(row.cut_p, chunk);
         break;

@@ -116,9 +116,10 @@ class CpuSampler {
   std::unique_ptr<ThreadPool> pool_;
 };
 
-// Largest value GumbelFromUniform takes over all 2^23 uniforms (about 16.6,
-// at the top cell); a token whose fl(x + this) is below the best score so far
-// cannot win, so its noise need not be computed.
+// An upper bound on every value GumbelNoise takes (about 19.4: the largest
+// noise of a block, at the top cell of its uniform, plus 2^-10); a token whose
+// fl(x + this) is below the best score so far cannot win, so its noise need
+// not be computed.
 float MaxGumbelNoise();
 
 }  // namespace flashsampler

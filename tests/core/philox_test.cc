@@ -1,15 +1,18 @@
 // The shared noise (kernels/philox.h): Philox4x32-10 against the published
 // Random123 known-answer vectors, the uniform mapping strictly inside (0, 1)
 // at the extremes of the counter space, AccurateLog's accuracy over the range
-// the Gumbel transform uses, and the Gumbel helpers' mutual consistency.
+// the Gumbel transform uses, the noise blocks' construction and statistics,
+// and the Gumbel helpers' mutual consistency.
 #include "kernels/philox.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "service/cpu_sampler.h"
 
@@ -135,33 +138,140 @@ TEST(PhiloxTest, AccurateLogIsWithinOneUlpOverTheRangeUsed) {
   EXPECT_EQ(AccurateLog(1.0f), 0.0f);
 }
 
-TEST(PhiloxTest, GumbelNoiseEqualsTheMatchingNoiseBits4Word) {
+// GumbelNoise is the block construction of philox.h: the block's call gives
+// the first slot and E_min, the other slots add their token word's
+// exponential.
+TEST(PhiloxTest, GumbelNoiseIsTheBlockConstruction) {
   std::mt19937_64 rng(1);
   for (int i = 0; i < 100000; ++i) {
     const uint64_t seed = rng(), step = rng();
     const uint32_t sample = static_cast<uint32_t>(rng() % 16);
     const uint32_t token = static_cast<uint32_t>(rng() % 0x7fffffffu);
-    const Philox4x32 bits = NoiseBits4(seed, step, sample, token >> 2);
-    const float want = GumbelFromUniform(UniformFromBits(bits.v[token & 3]));
-    ASSERT_EQ(FloatToBits(GumbelNoise(seed, step, sample, token)),
-              FloatToBits(want));
+    const NoiseBlock block = NoiseBlockOf(seed, step, sample, token >> 4);
+    ASSERT_LT(block.first_slot, kNoiseBlockTokens);
+    const double min_exponential =
+        -static_cast<double>(AccurateLog(block.uniform)) / 16.0;
+    const bool first = (token & 15u) == block.first_slot;
+    const float v = UniformFromBits(
+        NoiseBits4(seed, step, sample, token >> 2).v[token & 3]);
+    const double want =
+        first ? -std::log(min_exponential)
+              : -std::log(min_exponential - std::log(static_cast<double>(v)));
+    ASSERT_NEAR(GumbelNoise(seed, step, sample, token), want,
+                1e-5 * std::max(1.0, std::fabs(want)))
+        << token;
   }
 }
 
-// The CPU sampler prunes with MaxGumbelNoise(), the top cell's value. That is
-// an upper bound only because GumbelFromUniform is non-decreasing over every
-// one of the 2^23 cells, which this checks exhaustively.
+// The first slot holds the block's largest noise (the bound the kernels
+// prune whole blocks with), and the block's call is the documented counter.
+TEST(PhiloxTest, FirstSlotHoldsTheBlocksLargestNoise) {
+  std::mt19937_64 rng(2);
+  for (int i = 0; i < 20000; ++i) {
+    const uint64_t seed = rng(), step = rng();
+    const uint32_t block_index = static_cast<uint32_t>(rng() % (1u << 27));
+    const NoiseBlock block = NoiseBlockOf(seed, step, 0, block_index);
+    const float top =
+        GumbelNoise(seed, step, 0, 16 * block_index + block.first_slot);
+    for (uint32_t slot = 0; slot < kNoiseBlockTokens; ++slot) {
+      ASSERT_LE(GumbelNoise(seed, step, 0, 16 * block_index + slot), top);
+    }
+    // The block call's counter carries the flag that no token group has.
+    const uint32_t word =
+        Philox4x32_10(
+            {{kNoiseBlockCounterFlag | block_index, 0,
+              static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32)}},
+            static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32))
+            .v[0];
+    ASSERT_EQ(block.first_slot, word % 16);
+    ASSERT_EQ(FloatToBits(block.uniform), FloatToBits(UniformFromBits(word)));
+  }
+}
+
+// The CPU sampler prunes with MaxGumbelNoise(). Checked exhaustively: every
+// one of the 2^23 cells as a block's uniform (its first slot's noise, and
+// another slot's with v in the top cell, the largest that slot can take),
+// and as a token's uniform under the smallest E_min (where another slot's
+// noise is largest). GumbelFromUniform, which PruneBounds brackets, is
+// non-decreasing over every cell.
 TEST(PhiloxTest, MaxGumbelNoiseBoundsEveryCell) {
+  const float bound = MaxGumbelNoise();
+  const float smallest_min =
+      BlockMinExponential(UniformFromBits(0xffffffffu), RoundedDivide{});
   float previous = -std::numeric_limits<float>::infinity();
   bool monotone = true;
+  float largest = -std::numeric_limits<float>::infinity();
   for (uint32_t cell = 0; cell < (1u << 23); ++cell) {
-    const float g = GumbelFromUniform(UniformFromBits(cell << 9));
-    ASSERT_LE(g, MaxGumbelNoise()) << cell;
+    const float u = UniformFromBits(cell << 9);
+    const float min_exponential = BlockMinExponential(u, RoundedDivide{});
+    const float first =
+        BlockSlotGumbel(min_exponential, true, 0u, RoundedDivide{});
+    const float other_top =
+        BlockSlotGumbel(min_exponential, false, 0xffffffffu, RoundedDivide{});
+    const float other =
+        BlockSlotGumbel(smallest_min, false, cell << 9, RoundedDivide{});
+    ASSERT_LE(first, bound) << cell;
+    ASSERT_LE(other_top, bound) << cell;
+    ASSERT_LE(other, bound) << cell;
+    largest = std::max({largest, first, other_top, other});
+    const float g = GumbelFromUniform(u);
     monotone = monotone && g >= previous;
     previous = g;
   }
   EXPECT_TRUE(monotone);
-  EXPECT_EQ(MaxGumbelNoise(), GumbelFromUniform(1.0f - std::ldexp(1.0f, -24)));
+  // The bound is tight to its margin: about 19.4, the top cell's first slot.
+  EXPECT_NEAR(bound, largest, 1.0 / 512.0);
+  EXPECT_NEAR(bound, 19.4, 0.1);
+}
+
+// The block construction's statistics over 2 x 10^5 blocks: the first slot
+// is uniform over the 16 slots (chi-squared, 15 degrees of freedom, p =
+// 0.001 cut at 37.70), the block's largest noise is Gumbel(ln 16, 1) (mean
+// gamma + ln 16, variance pi^2 / 6: standard errors 0.0029 and 0.010), and
+// neighbouring slots are uncorrelated (standard error 0.0022).
+TEST(PhiloxTest, NoiseBlocksHaveTheStatisticsOfSixteenGumbels) {
+  const int blocks = 200000;
+  std::vector<int64_t> first_count(kNoiseBlockTokens, 0);
+  double max_sum = 0.0, max_sum_sq = 0.0;
+  double pair_sum = 0.0, a_sum = 0.0, b_sum = 0.0, a_sq = 0.0, b_sq = 0.0;
+  int64_t pairs = 0;
+  for (int i = 0; i < blocks; ++i) {
+    const uint32_t block_index = static_cast<uint32_t>(i);
+    ++first_count[NoiseBlockOf(99, 5, 1, block_index).first_slot];
+    double largest = -1e30;
+    double previous = 0.0;
+    for (uint32_t slot = 0; slot < kNoiseBlockTokens; ++slot) {
+      const double g = GumbelNoise(99, 5, 1, 16 * block_index + slot);
+      largest = std::max(largest, g);
+      if (slot % 2 == 1) {
+        pair_sum += previous * g;
+        a_sum += previous;
+        b_sum += g;
+        a_sq += previous * previous;
+        b_sq += g * g;
+        ++pairs;
+      }
+      previous = g;
+    }
+    max_sum += largest;
+    max_sum_sq += largest * largest;
+  }
+  const double expected = static_cast<double>(blocks) / kNoiseBlockTokens;
+  double chi2 = 0.0;
+  for (int64_t c : first_count) {
+    chi2 += (c - expected) * (c - expected) / expected;
+  }
+  EXPECT_LT(chi2, 37.70);
+  const double max_mean = max_sum / blocks;
+  EXPECT_NEAR(max_mean, 0.5772156649 + std::log(16.0), 0.015);
+  EXPECT_NEAR(max_sum_sq / blocks - max_mean * max_mean, M_PI * M_PI / 6.0,
+              0.05);
+  const double n = static_cast<double>(pairs);
+  const double covariance = pair_sum / n - (a_sum / n) * (b_sum / n);
+  const double correlation =
+      covariance / std::sqrt((a_sq / n - (a_sum / n) * (a_sum / n)) *
+                             (b_sq / n - (b_sum / n) * (b_sum / n)));
+  EXPECT_NEAR(correlation, 0.0, 0.011);
 }
 
 // Sanity of the whole chain: Gumbel(0, 1) has mean Euler's gamma and

@@ -250,8 +250,9 @@ void MakeControls(int rows, uint64_t salt, std::vector<float>* inv_t,
   }
 }
 
-// The epilogue's branch-free noise must be GumbelFromUniform bit for bit
-// over its whole domain (all 2^23 uniforms), or GPU and CPU samples differ.
+// The epilogue's branch-free noise must be philox.h's bit for bit over its
+// whole domain (all 2^23 uniforms, as a token's and as a block's), or GPU
+// and CPU samples differ.
 TEST(FusedSamplerGpuTest, BranchFreeNoiseEqualsTheReferenceForAllUniforms) {
   FS_SKIP_WITHOUT_GPU();
   DeviceArray<unsigned int> mismatches(1);
@@ -263,8 +264,8 @@ TEST(FusedSamplerGpuTest, BranchFreeNoiseEqualsTheReferenceForAllUniforms) {
 }
 
 // Pruning is exact only if every bracket the epilogue compares against
-// contains the exact score, for every uniform: WordBounds and PruneBounds,
-// lower and upper (the uppers are also what the launch's floor is compared
+// contains the exact score, for every uniform: the word bounds, PruneBounds
+// and the block bounds (the uppers are what the launch's floor is compared
 // with).
 TEST(FusedSamplerGpuTest, PruningBracketsContainTheExactScoreForAllUniforms) {
   FS_SKIP_WITHOUT_GPU();
@@ -274,10 +275,15 @@ TEST(FusedSamplerGpuTest, PruningBracketsContainTheExactScoreForAllUniforms) {
   std::vector<unsigned int> host;
   FS_ASSERT_CUDA(violations.Download(&host, kNoiseBracketCount));
   ASSERT_EQ(host.size(), static_cast<size_t>(kNoiseBracketCount));
-  EXPECT_EQ(host[kNoiseBracketWordLower], 0u) << "WordBounds lower";
-  EXPECT_EQ(host[kNoiseBracketWordUpper], 0u) << "WordBounds upper";
+  EXPECT_EQ(host[kNoiseBracketWordUpper], 0u) << "WordUpperBound";
+  EXPECT_EQ(host[kNoiseBracketWordLower], 0u) << "WordLowerBound";
   EXPECT_EQ(host[kNoiseBracketLogLower], 0u) << "PruneBounds lower";
   EXPECT_EQ(host[kNoiseBracketLogUpper], 0u) << "PruneBounds upper";
+  EXPECT_EQ(host[kNoiseBracketBlockFirstLower], 0u) << "BlockFirstLowerBound";
+  EXPECT_EQ(host[kNoiseBracketBlockFirstUpper], 0u)
+      << "BlockUpperBound, first slot";
+  EXPECT_EQ(host[kNoiseBracketBlockOtherUpper], 0u)
+      << "BlockUpperBound, other slot";
 }
 
 TEST(FusedSamplerGpuTest, SmallIntegerLogitsMatchCpuReferenceBitForBit) {
