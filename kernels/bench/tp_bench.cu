@@ -442,6 +442,8 @@ int Main(int argc, char** argv) {
     auto tp1_step = [&]() {
       FusedSampleParams p = p1;
       p.candidates = tp1_candidates;
+      // Pruned against the workspace's floor, as every TP rank's kernel is.
+      p.floor_in_workspace = full.workspace != nullptr;
       BENCH_CHECK_CUDA(cudaSetDevice(devices[0]));
       BENCH_CHECK_CUDA(LaunchFusedSample(p, full.workspace,
                                          full.workspace_bytes, streams[0]));
