@@ -58,8 +58,9 @@ struct ElementOf<DTypeTag::kFp16> {
 // [-0.30, 0.42] by 2 + f in [1.7, 2.5], where FCHK never fails, so the fast
 // path alone is __fdiv_rn. DivideInLogRange is that fast path, instruction
 // for instruction as nvcc emits it (MUFU.RCP, FFMA x5);
-// NoiseSelfCheck compares FastGumbelFromUniform with GumbelFromUniform for
-// all 2^23 uniforms, bit for bit (a GPU test, and the CUDA engine at start).
+// NoiseSelfCheck compares the noise computed with it (FastBlockSlotGumbel,
+// and -log(-log u)) with philox.h's for all 2^23 uniforms, bit for bit (a
+// GPU test, and the CUDA engine at start).
 __device__ __forceinline__ float DivideInLogRange(float f, float d) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
@@ -91,11 +92,7 @@ __device__ __forceinline__ uint32_t SelectWord(const Philox4x32& bits,
   return (index & 2u) ? high : low;
 }
 
-__device__ __forceinline__ float FastGumbelFromUniform(float u) {
-  return -FastAccurateLog(-FastAccurateLog(u));
-}
-
-// Bounds on GumbelScore(logit, inv_temperature, FastGumbelFromUniform(u))
+// Bounds on GumbelScore(logit, inv_temperature, GumbelFromUniform(u))
 // from `scaled` = __fmul_rn(logit, inv_temperature) (the exact first step
 // of GumbelScore) and the fast logarithm. __logf is within 2^-21.41
 // absolutely on [0.5, 2] and 3 ulp elsewhere; for u <= 1 - 2^-10 (so

@@ -138,10 +138,10 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                               size_t workspace_bytes, cudaStream_t stream);
 
 // Counts, into the device word `mismatches` (zeroed here), the uniforms --
-// all 2^23 of them -- for which the kernels' branch-free Gumbel noise
-// (FastGumbelFromUniform, and the block noise of a first and another slot)
-// differs in any bit from kernels/philox.h's. Anything but 0 means this
-// device must not serve (the CUDA engine checks at start).
+// all 2^23 of them -- for which the kernels' branch-free Gumbel noise (its
+// logarithm on -log(-log u), and the block noise of a first and another
+// slot) differs in any bit from kernels/philox.h's. Anything but 0 means
+// this device must not serve (the CUDA engine checks at start).
 cudaError_t LaunchNoiseSelfCheck(unsigned int* mismatches, cudaStream_t stream);
 
 // The pruning brackets of the stage-1 epilogue (fused_epilogue.cuh): bounds

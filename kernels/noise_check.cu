@@ -1,9 +1,8 @@
 // The self-checks of the stage-1 kernels' noise: all 2^23 uniforms through
-// the epilogue's branch-free noise (FastGumbelFromUniform,
-// FastBlockSlotGumbel) and philox.h's, compared bit for bit (see
-// DivideInLogRange in fused_epilogue.cuh for why they agree), and through
-// the pruning brackets (WordUpperBound, WordLowerBound, PruneBounds, the
-// block bounds), which
+// the epilogue's branch-free noise (FastAccurateLog, FastBlockSlotGumbel)
+// and philox.h's, compared bit for bit (see DivideInLogRange in
+// fused_epilogue.cuh for why they agree), and through the pruning brackets
+// (WordUpperBound, WordLowerBound, PruneBounds, the block bounds), which
 // must contain the exact score or pruning would change tokens.
 #include <cuda_runtime.h>
 
@@ -24,7 +23,8 @@ __global__ void NoiseSelfCheckKernel(unsigned int* mismatches) {
   for (uint32_t m = blockIdx.x * blockDim.x + threadIdx.x; m < kUniforms;
        m += stride) {
     const float u = UniformFromBits(m << 9);
-    const float fast = fused::FastGumbelFromUniform(u);
+    // The branch-free logarithm on both of GumbelFromUniform's arguments.
+    const float fast = -fused::FastAccurateLog(-fused::FastAccurateLog(u));
     const float reference = GumbelFromUniform(u);
     if (__float_as_uint(fast) != __float_as_uint(reference)) ++local;
     // Block noise with U in cell m: the first slot, and another slot whose
