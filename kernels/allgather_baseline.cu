@@ -43,8 +43,7 @@ __device__ __forceinline__ void Keep(float score, int32_t id, float* best,
 }
 
 // One block per (row b = blockIdx.x, sample j = blockIdx.y). Walks each
-// shard's columns in noise blocks of 16 global token ids (philox.h: one
-// block call and four token-word calls, NoiseBits4, give their noise); a
+// shard's columns in noise blocks of 16 global token ids (BlockNoise); a
 // block that straddles a shard boundary is drawn once per side, and each
 // side keeps its own tokens.
 __global__ void __launch_bounds__(kSampleThreads)
@@ -69,36 +68,20 @@ __global__ void __launch_bounds__(kSampleThreads)
     const int64_t last_block = (offset + rows - 1) >> kNoiseBlockShift;
     for (int64_t g = first_block + threadIdx.x; g <= last_block;
          g += blockDim.x) {
-      NoiseBlock noise_block{};
-      float min_exponential = 0.0f;
+      float noise[kNoiseBlockTokens] = {};
       if (!greedy) {
-        noise_block = NoiseBlockOf(seed, step, static_cast<uint32_t>(j),
-                                   static_cast<uint32_t>(g));
-        min_exponential =
-            BlockMinExponential(noise_block.uniform, RoundedDivide{});
+        BlockNoise(seed, step, static_cast<uint32_t>(j),
+                   static_cast<uint32_t>(g), noise);
       }
-      for (int run = 0; run < 4; ++run) {
-        const int64_t group = 4 * g + run;
-        Philox4x32 bits{};
-        if (!greedy) {
-          bits = NoiseBits4(seed, step, static_cast<uint32_t>(j),
-                            static_cast<uint32_t>(group));
-        }
+      // Unrolled: noise[] stays in registers.
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int64_t id = 4 * group + k;
-          if (id < offset || id >= offset + rows) continue;
-          const float logit = LoadLogit(gathered, base + (id - offset), dtype);
-          float score = logit;
-          if (!greedy) {
-            const float gumbel = BlockSlotGumbel(
-                min_exponential,
-                static_cast<uint32_t>(4 * run + k) == noise_block.first_slot,
-                bits.v[k], RoundedDivide{});
-            score = GumbelScore(logit, inv_t, gumbel);
-          }
-          Keep(score, static_cast<int32_t>(id), &best, &best_id);
-        }
+      for (int slot = 0; slot < static_cast<int>(kNoiseBlockTokens); ++slot) {
+        const int64_t id = g * kNoiseBlockTokens + slot;
+        if (id < offset || id >= offset + rows) continue;
+        const float logit = LoadLogit(gathered, base + (id - offset), dtype);
+        const float score =
+            greedy ? logit : GumbelScore(logit, inv_t, noise[slot]);
+        Keep(score, static_cast<int32_t>(id), &best, &best_id);
       }
     }
   }

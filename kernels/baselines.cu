@@ -162,10 +162,9 @@ __global__ void __launch_bounds__(kGumbelThreads)
   for (int sample = 0; sample < num_samples; ++sample) {
     float best_score = -__int_as_float(0x7f800000);
     int32_t best_id = kNoToken;
-    // One noise block (16 consecutive token ids, philox.h) per step: one
-    // block call and four token-word calls. A chunk that starts off a block
-    // boundary (a shard offset that is not a multiple of 16) takes each
-    // token's noise whole (GumbelNoise).
+    // One noise block (16 consecutive token ids, philox.h) per step. A
+    // chunk that starts off a block boundary (a shard offset that is not a
+    // multiple of 16) takes each token's noise whole (GumbelNoise).
     for (int block = threadIdx.x;
          block < kGumbelChunk / static_cast<int>(kNoiseBlockTokens);
          block += kGumbelThreads) {
@@ -173,41 +172,28 @@ __global__ void __launch_bounds__(kGumbelThreads)
       if (first >= vocab) break;
       const int64_t token0 = vocab_offset + first;
       const bool aligned = (token0 & (kNoiseBlockTokens - 1)) == 0;
-      NoiseBlock noise_block{};
-      float min_exponential = 0.0f;
+      float noise[kNoiseBlockTokens] = {};
       if (inv_t != 0.0f && aligned) {
-        noise_block = NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
-                                   static_cast<uint32_t>(token0 >> 4));
-        min_exponential =
-            BlockMinExponential(noise_block.uniform, RoundedDivide{});
+        BlockNoise(seed, step, static_cast<uint32_t>(sample),
+                   static_cast<uint32_t>(token0 >> kNoiseBlockShift), noise);
       }
-      for (int run = 0; run < 4; ++run) {
-        Philox4x32 bits{};
-        if (inv_t != 0.0f && aligned) {
-          bits = NoiseBits4(seed, step, static_cast<uint32_t>(sample),
-                            static_cast<uint32_t>((token0 >> 2) + run));
+      // Unrolled: noise[] stays in registers.
+#pragma unroll
+      for (int slot = 0; slot < static_cast<int>(kNoiseBlockTokens); ++slot) {
+        if (first + slot >= vocab) break;
+        const float logit = LoadLogit(logits, dtype, row_offset + first + slot);
+        const int32_t id = static_cast<int32_t>(token0 + slot);
+        float score = logit;
+        if (inv_t != 0.0f) {
+          score = GumbelScore(
+              logit, inv_t,
+              aligned ? noise[slot]
+                      : GumbelNoise(seed, step, static_cast<uint32_t>(sample),
+                                    static_cast<uint32_t>(id)));
         }
-        for (int q = 0; q < 4; ++q) {
-          const int slot = 4 * run + q;
-          if (first + slot >= vocab) break;
-          const float logit =
-              LoadLogit(logits, dtype, row_offset + first + slot);
-          const int32_t id = static_cast<int32_t>(token0 + slot);
-          float score = logit;
-          if (inv_t != 0.0f) {
-            const float noise =
-                aligned ? BlockSlotGumbel(min_exponential,
-                                          static_cast<uint32_t>(slot) ==
-                                              noise_block.first_slot,
-                                          bits.v[q], RoundedDivide{})
-                        : GumbelNoise(seed, step, static_cast<uint32_t>(sample),
-                                      static_cast<uint32_t>(id));
-            score = GumbelScore(logit, inv_t, noise);
-          }
-          if (CandidateBetter(score, id, best_score, best_id)) {
-            best_score = score;
-            best_id = id;
-          }
+        if (CandidateBetter(score, id, best_score, best_id)) {
+          best_score = score;
+          best_id = id;
         }
       }
     }

@@ -69,8 +69,8 @@ constexpr int kNumBracketScales =
 // for WordUpperBound; under three block uniforms for WordLowerBound; with
 // the word's 9 unused low bits all 0 and all 1: the word bounds read the
 // whole word, UniformFromBits only the top 23 bits) and as a block's
-// uniform U (the first slot's noise, and another
-// slot's with v in the top cell, the largest other noise of that block).
+// uniform U (the first slot's noise, and another slot's with v in the top
+// cell, the largest other noise of that block).
 // Comparisons are negated so that a NaN bound counts as a violation.
 __global__ void NoiseBracketCheckKernel(unsigned int* violations) {
   const uint32_t stride = gridDim.x * blockDim.x;

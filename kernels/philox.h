@@ -232,6 +232,33 @@ FS_HOST_DEVICE float BlockSlotGumbel(float min_exponential, bool first_slot,
   return -AccurateLogWithDivide(exponential, divide);
 }
 
+// The noise of all 16 slots of block `block`, slot by slot what GumbelNoise
+// gives, with each Philox call (the block's and its four token-word calls)
+// made once: for samplers that walk a vocabulary block by block.
+FS_HOST_DEVICE void BlockNoise(uint64_t seed, uint64_t step,
+                               uint32_t sample_index, uint32_t block,
+                               float (&noise)[kNoiseBlockTokens]) {
+  const NoiseBlock noise_block = NoiseBlockOf(seed, step, sample_index, block);
+  const float min_exponential =
+      BlockMinExponential(noise_block.uniform, RoundedDivide{});
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (uint32_t run = 0; run < kNoiseBlockTokens / 4; ++run) {
+    const Philox4x32 words = NoiseBits4(seed, step, sample_index,
+                                        block * (kNoiseBlockTokens / 4) + run);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (uint32_t q = 0; q < 4; ++q) {
+      const uint32_t slot = 4 * run + q;
+      noise[slot] =
+          BlockSlotGumbel(min_exponential, slot == noise_block.first_slot,
+                          words.v[q], RoundedDivide{});
+    }
+  }
+}
+
 // Gumbel noise of one token: its block's call and, unless it holds the
 // block's minimum, its token word.
 FS_HOST_DEVICE float GumbelNoise(uint64_t seed, uint64_t step,

@@ -163,6 +163,24 @@ TEST(PhiloxTest, GumbelNoiseIsTheBlockConstruction) {
   }
 }
 
+// BlockNoise is GumbelNoise slot by slot, bit for bit.
+TEST(PhiloxTest, BlockNoiseEqualsGumbelNoiseOfEachSlot) {
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 5000; ++i) {
+    const uint64_t seed = rng(), step = rng();
+    const uint32_t sample = static_cast<uint32_t>(rng() % 16);
+    const uint32_t block = static_cast<uint32_t>(rng() % (1u << 27));
+    float noise[kNoiseBlockTokens];
+    BlockNoise(seed, step, sample, block, noise);
+    for (uint32_t slot = 0; slot < kNoiseBlockTokens; ++slot) {
+      ASSERT_EQ(FloatToBits(noise[slot]),
+                FloatToBits(GumbelNoise(seed, step, sample,
+                                        kNoiseBlockTokens * block + slot)))
+          << block << " " << slot;
+    }
+  }
+}
+
 // The first slot holds the block's largest noise (the bound the kernels
 // prune whole blocks with), and the block's call is the documented counter.
 TEST(PhiloxTest, FirstSlotHoldsTheBlocksLargestNoise) {
