@@ -1,7 +1,8 @@
 // Thin inline-PTX wrappers used by the stage-1 kernels: cp.async, ldmatrix,
-// mma.sync (sm_80+), and mbarrier, TMA and wgmma (sm_90a). Each wrapper is
-// one instruction so that the kernels read as the algorithm; the sm_90a ones
-// compile to nothing on other targets (their callers are guarded too).
+// mma.sync (sm_80+), mbarrier, TMA and wgmma (sm_90a), and the global timer.
+// Each wrapper is one instruction so that the kernels read as the algorithm;
+// the sm_90a ones compile to nothing on other targets (their callers are
+// guarded too).
 #ifndef FLASHSAMPLER_KERNELS_DEVICE_PTX_CUH_
 #define FLASHSAMPLER_KERNELS_DEVICE_PTX_CUH_
 
@@ -207,6 +208,13 @@ __device__ __forceinline__ uint64_t WgmmaDescriptorFromLow(uint32_t low) {
 
 __device__ __forceinline__ uint64_t WgmmaDescriptor(uint32_t smem_address) {
   return WgmmaDescriptorFromLow(WgmmaDescriptorLow(smem_address));
+}
+
+// Nanoseconds of the GPU's global timer (one clock for all SMs).
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 }  // namespace ptx

@@ -102,6 +102,14 @@ struct FusedSampleParams {
   // consumer warpgroups (its owner stages half of its accumulators in shared
   // memory). Off only for the benchmark's comparison; same bits either way.
   bool share_last_epilogue = true;
+  // Optional, for profiling (fs_bench --timeline): the wgmma path records,
+  // per (CTA, consumer warpgroup, piece), the %globaltimer nanoseconds at
+  // which the piece's wgmmas start (after the hand-off), end, and its
+  // scoring ends, into timeline[((cta * 2 + consumer) * timeline_pieces +
+  // piece) * 3 + event]; pieces past timeline_pieces are not recorded.
+  // Everything else is unchanged.
+  uint64_t* timeline = nullptr;
+  int timeline_pieces = 0;
 };
 
 constexpr int kMaxFusedBatch = 256;

@@ -356,6 +356,13 @@ __global__ void __launch_bounds__(384, 1)
     // then every earlier ring phase is complete and the parity waits below
     // cannot pass on a stale phase.
     if (j >= 1) ptx::NamedBarrier(kHandoffBarrier + consumer, 256);
+    // Profiling (FusedSampleParams::timeline): thread 0 of the consumer.
+    unsigned long long* timeline =
+        args.timeline != nullptr && j < args.timeline_pieces && thread == 0
+            ? args.timeline +
+                  ((blockIdx.x * 2 + consumer) * args.timeline_pieces + j) * 3
+            : nullptr;
+    if (timeline != nullptr) timeline[0] = ptx::GlobalTimerNs();
     const uint32_t seq0 = static_cast<uint32_t>(j) * num_steps;
     const int hand_off = j + 1 < pieces ? kHandoffBarrier + (1 - consumer) : -1;
     if constexpr (WorkSchedule<kBlockN>::kCanSplit) {
@@ -374,6 +381,7 @@ __global__ void __launch_bounds__(384, 1)
           acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
           num_steps, seq0, hand_off, lane);
     }
+    if (timeline != nullptr) timeline[1] = ptx::GlobalTimerNs();
     const bool share = kShareLastEpilogue && args.share_last_epilogue;
     // This consumer's wgmmas are done for good: the other one, owner of
     // the CTA's last piece, may write into the ring (below).
@@ -432,6 +440,13 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll 1
       for (int i = 0; i < quads; ++i) {
         const int quad = quad_at(i);
+        // A key read before any CTA had published one (a launch's first
+        // calls) is read again now: by the second call the other CTAs'
+        // first calls have published, and a call without a floor costs
+        // several with one (docs/perf/fused_kernel_attempts.md, attempt 29).
+        if (key == 0ull) {
+          key = StagedLaneKey(args, sample, batch_base, 16 * quad);
+        }
         const float floor = FloorOfKey(key);
         if (i + 1 < quads) {
           key = StagedLaneKey(args, sample, batch_base, 16 * quad_at(i + 1));
@@ -445,6 +460,7 @@ __global__ void __launch_bounds__(384, 1)
       StoreCandidates(args, tile, sample, batch_base, own_columns, thread, 128,
                       epilogue);
     }
+    if (timeline != nullptr) timeline[2] = ptx::GlobalTimerNs();
   }
   if (kShareLastEpilogue && args.share_last_epilogue &&
       consumer != (pieces - 1) % 2) {

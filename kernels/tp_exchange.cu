@@ -16,6 +16,8 @@
 #include <cstring>
 #include <thread>
 
+#include "kernels/device_ptx.cuh"
+
 namespace flashsampler {
 namespace {
 
@@ -56,12 +58,6 @@ class DeviceGuard {
   bool changed_ = false;
 };
 
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Resolves, on `rank`'s GPU, the address of byte `offset` of LSA peer
 // `peer`'s window. The address stays valid until the window is deregistered,
 // so it is computed once and handed to the stage-1 kernel as a plain pointer:
@@ -101,7 +97,7 @@ __global__ void __launch_bounds__(kBarrierThreads)
   } else {
     bar.arrive(ncclCoopCta(), cuda::memory_order_release);
     const ncclTeam team = bar.team;
-    const uint64_t start = GlobalTimerNs();
+    const uint64_t start = ptx::GlobalTimerNs();
     // Same inbox, epoch arithmetic and wrap-around test as NCCL 2.28.9's
     // ncclLsaBarrierSession::wait (unicast path), plus the exits.
     for (int i = threadIdx.x; i < team.nRanks - 1; i += blockDim.x) {
@@ -115,7 +111,7 @@ __global__ void __launch_bounds__(kBarrierThreads)
             result = static_cast<int>(TpBarrierResult::kAborted);
             break;
           }
-          if (GlobalTimerNs() - start > timeout_ns) {
+          if (ptx::GlobalTimerNs() - start > timeout_ns) {
             result = static_cast<int>(TpBarrierResult::kTimedOut);
             break;
           }

@@ -11,6 +11,11 @@
 //            [--warmup 25] [--no-sweep] [--path auto|mma|wgmma]
 //            [--ab VARIANT,...]   (each variant against the default, call
 //                                  for call; see Options::ab_variants)
+//            [--timeline N]       (N more calls of the default and of the
+//                                  all-greedy launch that record when each
+//                                  piece's wgmmas and scoring run, into
+//                                  timeline_<config>_b<B>[_all_greedy].csv;
+//                                  read them with scripts/timeline_report.py)
 // Configs: qwen, llama, one GPU's shard of either under an even tensor-
 // parallel split (qwen_tp4, qwen_tp8, llama_tp4, llama_tp8), or any shape
 // as v<V>x<D> (e.g. v16896x4096).
@@ -64,6 +69,9 @@ struct Options {
   // place in the sweep moves its median by several percent (the GPU's
   // power and thermal state), so defaults are chosen from these pairs.
   std::vector<std::string> ab_variants;
+  // --timeline: calls of the default launch recorded with
+  // FusedSampleParams::timeline after the timed ones (wgmma path).
+  int timeline_calls = 0;
 };
 
 struct Stats {
@@ -119,6 +127,8 @@ bool ParseOptions(int argc, char** argv, Options* options) {
       }
     } else if (arg == "--ab" && value(&text)) {
       options->ab_variants = Split(text);
+    } else if (arg == "--timeline" && value(&text)) {
+      options->timeline_calls = std::atoi(text.c_str());
     } else if (arg == "--no-sweep") {
       options->sweep = false;
     } else {
@@ -167,6 +177,19 @@ class Timer {
       BENCH_CHECK(cudaEventCreate(&start_[i]));
       BENCH_CHECK(cudaEventCreate(&stop_[i]));
     }
+    return true;
+  }
+
+  // One call after an L2 flush, timed with CUDA events (--timeline).
+  bool TimeOnce(const std::function<cudaError_t()>& launch, double* us) {
+    BENCH_CHECK(cudaMemsetAsync(flush_, 0, flush_bytes_, stream_));
+    BENCH_CHECK(cudaEventRecord(start_[0], stream_));
+    BENCH_CHECK(launch());
+    BENCH_CHECK(cudaEventRecord(stop_[0], stream_));
+    BENCH_CHECK(cudaEventSynchronize(stop_[0]));
+    float ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, start_[0], stop_[0]));
+    *us = 1000.0 * ms;
     return true;
   }
 
@@ -253,6 +276,50 @@ const char* KernelName(FusedKernel kernel) {
   }
 }
 
+// --timeline: options.timeline_calls calls of `launch` (which records into
+// `timeline`: FusedSampleParams::timeline), each after an L2 flush like the
+// timed ones, written to <out>/timeline_<name>.csv: one row per
+// (call, CTA, consumer, piece) with its three %globaltimer stamps, and the
+// call's length from CUDA events.
+template <typename Launch>
+bool WriteTimeline(const Options& options, const std::string& name,
+                   uint64_t* timeline, size_t count, int pieces, Timer& timer,
+                   cudaStream_t stream, Launch launch) {
+  const std::string path = options.out_dir + "/timeline_" + name + ".csv";
+  FILE* file = std::fopen(path.c_str(), "w");
+  if (file == nullptr) {
+    std::fprintf(stderr, "fs_bench: cannot write %s\n", path.c_str());
+    return false;
+  }
+  std::fprintf(file,
+               "call,call_us,cta,consumer,piece,mma_start_ns,mma_end_ns,"
+               "score_end_ns\n");
+  std::vector<uint64_t> host(count);
+  bool ok = true;
+  for (int call = 0; call < options.timeline_calls && ok; ++call) {
+    ok = cudaMemsetAsync(timeline, 0, count * sizeof(uint64_t), stream) ==
+         cudaSuccess;
+    double call_us = 0;
+    ok = ok && timer.TimeOnce(launch, &call_us) &&
+         cudaMemcpy(host.data(), timeline, count * sizeof(uint64_t),
+                    cudaMemcpyDeviceToHost) == cudaSuccess;
+    const size_t slots = count / 3;
+    for (size_t slot = 0; ok && slot < slots; ++slot) {
+      const uint64_t* stamps = &host[slot * 3];
+      if (stamps[0] == 0) continue;  // no such piece
+      const size_t per_cta = 2 * static_cast<size_t>(pieces);
+      std::fprintf(file, "%d,%.2f,%zu,%zu,%zu,%llu,%llu,%llu\n", call, call_us,
+                   slot / per_cta, (slot % per_cta) / pieces, slot % pieces,
+                   static_cast<unsigned long long>(stamps[0]),
+                   static_cast<unsigned long long>(stamps[1]),
+                   static_cast<unsigned long long>(stamps[2]));
+    }
+  }
+  std::fclose(file);
+  if (!ok) std::fprintf(stderr, "fs_bench: --timeline call failed\n");
+  return ok;
+}
+
 bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                cudaStream_t stream, cublasHandle_t cublas, FILE* long_csv,
                FILE* summary_csv) {
@@ -274,6 +341,18 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   uint64_t* steps = nullptr;
   unsigned long long* sink = nullptr;
   void* workspace = nullptr;
+  // --timeline: [grid][2 consumers][kTimelinePieces][3 events] per call;
+  // the persistent grid has at most one CTA per SM.
+  constexpr int kTimelinePieces = 64;
+  int device = 0;
+  int sms = 0;
+  BENCH_CHECK(cudaGetDevice(&device));
+  BENCH_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const size_t timeline_count =
+      static_cast<size_t>(sms) * 2 * kTimelinePieces * 3;
+  uint64_t* timeline = nullptr;
+  uint64_t* timeline_now = nullptr;  // the buffer while a call records
   const size_t workspace_bytes =
       FusedSampleWorkspaceSize(kMaxFusedBatch, vocab, hidden);
   const int64_t tiles = FusedSampleNumTiles(vocab);
@@ -295,6 +374,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   BENCH_CHECK(cudaMalloc(&sink, sizeof(unsigned long long)));
   BENCH_CHECK(cudaMalloc(&workspace, workspace_bytes));
   BENCH_CHECK(cudaMemset(workspace, 0, workspace_bytes));
+  BENCH_CHECK(cudaMalloc(&timeline, timeline_count * sizeof(uint64_t)));
   BENCH_CHECK(LaunchFillUniform(weights, vocab * hidden, LogitsDType::kBf16,
                                 0x1234, config.scale, stream));
   BENCH_CHECK(
@@ -433,6 +513,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
           params.w_stage_k = stage_k;
           params.split_last_round = split_last_round;
           params.share_last_epilogue = share_last_epilogue;
+          params.timeline = timeline_now;
+          params.timeline_pieces = kTimelinePieces;
           cudaError_t error =
               LaunchFusedSample(params, workspace, workspace_bytes, stream);
           if (error != cudaSuccess || in_kernel) return error;
@@ -537,6 +619,23 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     }
     write_row("fused_interleaved", fused_alt);
     write_row("cublas_only_interleaved", cublas_alt);
+    // The default launch, and the all-greedy one for comparison (the same
+    // kernel with no noise: what the epilogue costs).
+    for (const bool greedy : {false, true}) {
+      if (options.timeline_calls > 0 &&
+          !WriteTimeline(
+              options,
+              config.name + "_b" + std::to_string(batch) +
+                  (greedy ? "_all_greedy" : ""),
+              timeline, timeline_count, kTimelinePieces, timer, stream, [&] {
+                timeline_now = timeline;
+                const cudaError_t error = fused_run(auto_path, 0, true, greedy);
+                timeline_now = nullptr;
+                return error;
+              })) {
+        return false;
+      }
+    }
     for (const Variant* variant : ab_variants) {
       const std::string& name = variant->name;
       if (batch > variant->max_batch) {
@@ -592,7 +691,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         static_cast<void*>(candidates), static_cast<void*>(gumbel_candidates),
         static_cast<void*>(tokens), static_cast<void*>(inv_temperature),
         static_cast<void*>(zeros), workspace, static_cast<void*>(seeds),
-        static_cast<void*>(steps), static_cast<void*>(sink)}) {
+        static_cast<void*>(steps), static_cast<void*>(sink),
+        static_cast<void*>(timeline)}) {
     BENCH_CHECK(cudaFree(pointer));
   }
   return true;

@@ -505,6 +505,84 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
   }
 }
 
+// FusedSampleParams::timeline (fs_bench --timeline): every piece of the
+// persistent schedule is recorded once, by the consumer that owns it, with
+// ordered stamps, and recording changes no token.
+TEST(FusedSamplerGpuTest, TimelineRecordsEveryPieceAndChangesNoToken) {
+  FS_SKIP_WITHOUT_GPU();
+  if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
+    GTEST_SKIP() << "the timeline is recorded by the wgmma path; no sm_90a";
+  }
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0),
+            cudaSuccess);
+  // 64-wide items (no split rounds), 3 to 4 per CTA.
+  const int64_t items = 3 * int64_t{sms} + 5;
+  const int64_t vocab = items * FusedSampleTileRows() - 7;
+  constexpr int kHidden = 128;
+  constexpr int kRows = 64;
+  constexpr int kPieces = 8;
+  std::mt19937_64 rng(33);
+  const std::vector<float> weights = SmallIntegers(vocab * kHidden, 3, rng);
+  const std::vector<float> hidden = SmallIntegers(kRows * kHidden, 2, rng);
+  std::vector<float> inv_t;
+  std::vector<uint64_t> seeds;
+  std::vector<uint64_t> steps;
+  MakeControls(kRows, 8, &inv_t, &seeds, &steps);
+  Problem problem;
+  ASSERT_TRUE(MakeProblem(weights, hidden, vocab, kHidden, KernelDType::kBf16,
+                          inv_t, seeds, steps, &problem));
+  const size_t workspace_bytes =
+      FusedSampleWorkspaceSize(kRows, vocab, kHidden);
+  DeviceArray<char> workspace(workspace_bytes);
+  DeviceArray<int32_t> tokens(kRows);
+  const size_t stamps = static_cast<size_t>(sms) * 2 * kPieces * 3;
+  DeviceArray<uint64_t> timeline(stamps);
+  ASSERT_TRUE(workspace.ok() && tokens.ok() && timeline.ok());
+  ASSERT_EQ(cudaMemset(workspace.get(), 0, workspace_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(timeline.get(), 0, stamps * sizeof(uint64_t)),
+            cudaSuccess);
+  FusedSampleParams params;
+  params.weights = problem.weights->get();
+  params.hidden = problem.hidden_states->get();
+  params.vocab_rows = vocab;
+  params.hidden_size = kHidden;
+  params.batch = kRows;
+  params.inv_temperature = problem.inv_temperature->get();
+  params.seeds = problem.seeds->get();
+  params.steps = problem.steps->get();
+  params.token_ids = tokens.get();
+  params.kernel = FusedKernel::kWgmma;
+  params.block_n = 64;
+  std::vector<int32_t> plain;
+  std::vector<int32_t> recorded;
+  ASSERT_EQ(
+      LaunchFusedSample(params, workspace.get(), workspace_bytes, nullptr),
+      cudaSuccess);
+  ASSERT_EQ(tokens.Download(&plain, kRows), cudaSuccess);
+  params.timeline = timeline.get();
+  params.timeline_pieces = kPieces;
+  ASSERT_EQ(
+      LaunchFusedSample(params, workspace.get(), workspace_bytes, nullptr),
+      cudaSuccess);
+  ASSERT_EQ(tokens.Download(&recorded, kRows), cudaSuccess);
+  EXPECT_EQ(recorded, plain);
+  std::vector<uint64_t> host;
+  ASSERT_EQ(timeline.Download(&host, stamps), cudaSuccess);
+  int64_t pieces = 0;
+  for (size_t slot = 0; slot < stamps / 3; ++slot) {
+    const uint64_t* stamp = &host[slot * 3];
+    if (stamp[0] == 0) continue;
+    ++pieces;
+    const size_t consumer = (slot / kPieces) % 2;
+    const size_t piece = slot % kPieces;
+    EXPECT_EQ(piece % 2, consumer) << "slot " << slot;
+    EXPECT_LE(stamp[0], stamp[1]) << "slot " << slot;
+    EXPECT_LE(stamp[1], stamp[2]) << "slot " << slot;
+  }
+  EXPECT_EQ(pieces, items);
+}
+
 TEST(FusedSamplerGpuTest, GreedyTiesGoToTheLowestGlobalId) {
   FS_SKIP_WITHOUT_GPU();
   constexpr int64_t kVocab = 300;
