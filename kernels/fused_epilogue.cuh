@@ -225,6 +225,9 @@ struct EpilogueShared {
   uint64_t seed[kBlockN];
   uint64_t step[kBlockN];
   unsigned long long best[kBlockN];  // packed candidates, one sample at a time
+  // The in-kernel stage 2's keys of the columns (ColumnKey), read once per
+  // item and sample (LoadFloorKeys; wgmma path only).
+  unsigned long long floor_key[kBlockN];
   float staging[kWarps][kStaging];
 };
 
@@ -277,16 +280,30 @@ __device__ __forceinline__ void LoadColumnParams(const FusedArgs& args,
 // changing the reduction; without them the keys are the reduction. Keys are
 // zero at the start of every launch (the last CTA re-zeroes them), and every
 // non-zero key is a real candidate of this launch; a stale read is still a
-// valid floor since keys only grow. The wgmma epilogue reads the keys
-// afresh for every scoring call (one call ahead, and decoded only when
-// used, so that the load's latency hides behind the call before): the
-// sampled rows' candidates are published as soon as they are found
-// (PublishFloor), so later calls of any CTA prune against them.
+// valid floor since keys only grow. The wgmma epilogue reads its columns'
+// keys once per item (LoadFloorKeys), and again at a scoring call for a
+// column that had none (a launch's first calls): the sampled rows'
+// candidates are published as soon as they are found (PublishFloor), so
+// later calls of any CTA prune against them. Reading every call's keys
+// afresh instead (8 times the requests to the few L2 lines that every CTA
+// reads and updates) cost 6% at qwen B = 128 on H200
+// (docs/perf/fused_kernel_attempts.md, attempt 29).
 __device__ __forceinline__ unsigned long long ColumnKey(const FusedArgs& args,
                                                         int sample, int b) {
   if (args.keys == nullptr || b >= args.batch) return 0ull;
   return *reinterpret_cast<const volatile unsigned long long*>(
       &args.keys[sample * args.batch + b]);
+}
+
+// Reads the keys of the CTA's batch columns into shared.floor_key, one load
+// per column, item and sample (the mma.sync path leaves the array unused).
+template <typename Shared>
+__device__ __forceinline__ void LoadFloorKeys(const FusedArgs& args, int sample,
+                                              int batch_base, int thread,
+                                              int num_threads, Shared& shared) {
+  for (int i = thread; i < Shared::kColumns; i += num_threads) {
+    shared.floor_key[i] = ColumnKey(args, sample, batch_base + i);
+  }
 }
 
 __device__ __forceinline__ float FloorOfKey(unsigned long long key) {
@@ -905,12 +922,14 @@ __device__ __forceinline__ unsigned long long IdentityKey() {
 // columns (a half piece owns only half of them): candidates [tile][sample]
 // [batch] when asked for, and/or a global atomicMax into the in-kernel
 // stage-2 keys [sample][batch].
+// `known_keys` (optional, [columns]): keys read earlier in this launch
+// (LoadFloorKeys); a winner at or below its column's needs no atomic, since
+// keys only grow.
 template <typename Shared>
-__device__ __forceinline__ void StoreCandidates(const FusedArgs& args,
-                                                int64_t tile, int sample,
-                                                int batch_base, int columns,
-                                                int thread, int num_threads,
-                                                const Shared& shared) {
+__device__ __forceinline__ void StoreCandidates(
+    const FusedArgs& args, int64_t tile, int sample, int batch_base,
+    int columns, int thread, int num_threads, const Shared& shared,
+    const unsigned long long* known_keys = nullptr) {
   for (int i = thread; i < columns; i += num_threads) {
     const int b = batch_base + i;
     if (b < args.batch) {
@@ -919,7 +938,8 @@ __device__ __forceinline__ void StoreCandidates(const FusedArgs& args,
         args.candidates[(tile * args.num_samples + sample) * args.batch + b] =
             UnpackCandidate(key);
       }
-      if (args.keys != nullptr) {
+      if (args.keys != nullptr &&
+          (known_keys == nullptr || key > known_keys[i])) {
         atomicMax(&args.keys[sample * args.batch + b], key);
       }
     }

@@ -429,28 +429,25 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = thread; i < kBlockN; i += 128) {
         epilogue.best[i] = IdentityKey();
       }
+      LoadFloorKeys(args, sample, batch_base, thread, 128, epilogue);
       ptx::NamedBarrier(epilogue_barrier, 128);
-      // Two n8 blocks (16 batch columns) of both m64 halves per call; each
-      // call's floors are loaded during the call before.
+      // Two n8 blocks (16 batch columns) of both m64 halves per call.
       const auto quad_at = [first_quad, quads](int i) {
         return first_quad + i < quads ? first_quad + i : first_quad + i - quads;
       };
-      unsigned long long key =
-          StagedLaneKey(args, sample, batch_base, 16 * first_quad);
 #pragma unroll 1
       for (int i = 0; i < quads; ++i) {
         const int quad = quad_at(i);
-        // A key read before any CTA had published one (a launch's first
-        // calls) is read again now: by the second call the other CTAs'
-        // first calls have published, and a call without a floor costs
-        // several with one (docs/perf/fused_kernel_attempts.md, attempt 29).
+        // A column without a key at the item's start (a launch's first
+        // items) is read again at its call: by then other CTAs' calls may
+        // have published one, and a call without floors costs several with
+        // them.
+        unsigned long long key =
+            epilogue.floor_key[16 * quad + ((threadIdx.x & 31) >> 1)];
         if (key == 0ull) {
           key = StagedLaneKey(args, sample, batch_base, 16 * quad);
         }
         const float floor = FloorOfKey(key);
-        if (i + 1 < quads) {
-          key = StagedLaneKey(args, sample, batch_base, 16 * quad_at(i + 1));
-        }
         float frags[2][2][4];
         ReadBlockQuad(acc0, acc1, quad, frags);
         ScoreFragmentQuad(frags, row0, quad * 16, sample, sample == 0,
@@ -458,7 +455,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
       StoreCandidates(args, tile, sample, batch_base, own_columns, thread, 128,
-                      epilogue);
+                      epilogue, epilogue.floor_key);
     }
     if (timeline != nullptr) timeline[2] = ptx::GlobalTimerNs();
   }
