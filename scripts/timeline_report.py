@@ -20,6 +20,7 @@ tail).
 """
 import collections
 import csv
+import signal
 import statistics
 import sys
 
@@ -74,6 +75,7 @@ def report(path):
 
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet under `| head`
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
