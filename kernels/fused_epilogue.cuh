@@ -310,11 +310,17 @@ __device__ __forceinline__ float FloorOfKey(unsigned long long key) {
   return key == 0 ? -__int_as_float(0x7f800000) : UnpackCandidate(key).score;
 }
 
-// ColumnKey of the column a lane scores in the wgmma staging
-// (ScoreStagedQuad: two lanes per column) of the 16 columns from col0.
+// The column, of the 16 of a quad, that a lane scores in the wgmma staging
+// (ScoreStagedQuad: two lanes per column).
+__device__ __forceinline__ int StagedLaneColumn() {
+  return (threadIdx.x & 31) >> 1;
+}
+
+// ColumnKey of the column a lane scores in the wgmma staging of the 16
+// columns from col0.
 __device__ __forceinline__ unsigned long long StagedLaneKey(
     const FusedArgs& args, int sample, int batch_base, int col0) {
-  return ColumnKey(args, sample, batch_base + col0 + ((threadIdx.x & 31) >> 1));
+  return ColumnKey(args, sample, batch_base + col0 + StagedLaneColumn());
 }
 
 __device__ __forceinline__ void PublishFloor(const FusedArgs& args, int sample,
@@ -836,7 +842,7 @@ __device__ __forceinline__ void ScoreStagedQuad(
     const float* staging, int64_t row0, int col0, int sample, bool store_logits,
     int batch_base, const FusedArgs& args, Shared& shared, float floor) {
   const int lane = threadIdx.x & 31;
-  const int column = lane >> 1;
+  const int column = StagedLaneColumn();
   const int half = lane & 1;
   const StagedLogits lane_logits{staging + column * kQuadStagingStride +
                                  16 * half};

@@ -41,13 +41,13 @@ struct FusedArgs {
   // (FusedSampleParams::floor_in_workspace), token_ids null.
   unsigned long long* keys;
   unsigned int* counter;
-  int32_t* token_ids;            // [batch][n]
-  float* winning_scores;         // optional [batch][n]
-  Candidate* shard_winners;      // optional [n][batch]
-  uint64_t w_cache_hint;         // TMA L2 hint for W (wgmma path)
-  bool split_last_round;         // wgmma path (FusedSampleParams)
-  bool share_last_epilogue;      // wgmma path (FusedSampleParams)
-  unsigned long long* timeline;  // wgmma path (FusedSampleParams), or null
+  int32_t* token_ids;        // [batch][n]
+  float* winning_scores;     // optional [batch][n]
+  Candidate* shard_winners;  // optional [n][batch]
+  uint64_t w_cache_hint;     // TMA L2 hint for W (wgmma path)
+  bool split_last_round;     // wgmma path (FusedSampleParams)
+  bool share_last_epilogue;  // wgmma path (FusedSampleParams)
+  uint64_t* timeline;        // wgmma path (FusedSampleParams), or null
   int timeline_pieces;
 };
 

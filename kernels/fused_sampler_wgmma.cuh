@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(384, 1)
     // cannot pass on a stale phase.
     if (j >= 1) ptx::NamedBarrier(kHandoffBarrier + consumer, 256);
     // Profiling (FusedSampleParams::timeline): thread 0 of the consumer.
-    unsigned long long* timeline =
+    uint64_t* timeline =
         args.timeline != nullptr && j < args.timeline_pieces && thread == 0
             ? args.timeline +
                   ((blockIdx.x * 2 + consumer) * args.timeline_pieces + j) * 3
@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(384, 1)
         // have published one, and a call without floors costs several with
         // them.
         unsigned long long key =
-            epilogue.floor_key[16 * quad + ((threadIdx.x & 31) >> 1)];
+            epilogue.floor_key[16 * quad + StagedLaneColumn()];
         if (key == 0ull) {
           key = StagedLaneKey(args, sample, batch_base, 16 * quad);
         }

@@ -69,8 +69,8 @@ struct Options {
   // place in the sweep moves its median by several percent (the GPU's
   // power and thermal state), so defaults are chosen from these pairs.
   std::vector<std::string> ab_variants;
-  // --timeline: calls of the default launch recorded with
-  // FusedSampleParams::timeline after the timed ones (wgmma path).
+  // --timeline: calls of the default and of the all-greedy launch recorded
+  // with FusedSampleParams::timeline after the timed ones (wgmma path).
   int timeline_calls = 0;
 };
 
