@@ -619,7 +619,49 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
       }
     }
   }
-  if (!block_path) {  // warp-uniform
+  // Without floors where a lane holds a noise block (the wgmma staging: a
+  // launch's first calls), every token is scored exactly, one word call per
+  // run of 4 and no bounds: with no floor to prune against, bounding the
+  // tokens left most of them to score anyway, each survivor with its word
+  // call made again, and such a call took 18 us against 1.5 us for one
+  // with floors (docs/perf/fused_kernel_attempts.md, attempt 32).
+  bool scored_exactly = false;
+  if constexpr (kBlockLayout) {
+    scored_exactly = !block_path && lane_holds_block;  // warp-uniform
+    if (scored_exactly && noisy) {
+      const int64_t token0 = args.vocab_offset + row(0);
+      const NoiseBlock block =
+          NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
+                       static_cast<uint32_t>(token0 >> kNoiseBlockShift));
+      // FastBlockSlotGumbel's first step, once for the block.
+      const float min_exponential =
+          BlockMinExponential(block.uniform, LogRangeDivide{});
+      // Not unrolled: the code of one run, not four, beside the others.
+#pragma unroll 1
+      for (int f = 0; f < kRuns; ++f) {
+        const Philox4x32 words =
+            NoiseBits4(seed, step, static_cast<uint32_t>(sample),
+                       static_cast<uint32_t>((token0 >> 2) + f));
+        const float4 run = logits.Run(f);
+        const float values[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (!valid(f, q)) continue;
+          const uint32_t slot = static_cast<uint32_t>(4 * f + q);
+          const float score = GumbelScore(
+              values[q], inv_temperature,
+              BlockSlotGumbel(min_exponential, slot == block.first_slot,
+                              words.v[q], LogRangeDivide{}));
+          const int32_t id = static_cast<int32_t>(token0 + slot);
+          if (CandidateBetter(score, id, best_score, best_id)) {
+            best_score = score;
+            best_id = id;
+          }
+        }
+      }
+    }
+  }
+  if (!block_path && !scored_exactly) {  // warp-uniform
     // Every token of the lane is bounded by its own word, or by its block's
     // call where it holds the block's minimum: from above, and, without a
     // floor, from below for the threshold (the column's best lower bound).
