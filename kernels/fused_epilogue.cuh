@@ -670,25 +670,16 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
     // on a token group (shard offset a multiple of 4, uniform over the
     // launch) shares one word call and lies in one block. Only the upper
     // bounds stay live: a survivor's Philox calls are made again (survivors
-    // are few).
+    // are few). Lanes that hold a whole noise block never come here (the
+    // block path, or scored exactly above).
     const auto token_word = [&](int64_t token) {
       return SelectWord(NoiseBits4(seed, step, static_cast<uint32_t>(sample),
                                    static_cast<uint32_t>(token >> 2)),
                         static_cast<uint32_t>(token & 3));
     };
-    NoiseBlock lane_block{};  // one call where the lane holds a block
-    if (noisy && lane_holds_block) {
-      lane_block =
-          NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
-                       static_cast<uint32_t>((args.vocab_offset + row(0)) >>
-                                             kNoiseBlockShift));
-    }
     const auto block_of = [&](int64_t token) {
-      return lane_holds_block
-                 ? lane_block
-                 : NoiseBlockOf(
-                       seed, step, static_cast<uint32_t>(sample),
-                       static_cast<uint32_t>(token >> kNoiseBlockShift));
+      return NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
+                          static_cast<uint32_t>(token >> kNoiseBlockShift));
     };
     const auto is_first = [](int64_t token, const NoiseBlock& token_block) {
       return static_cast<uint32_t>(token & (kNoiseBlockTokens - 1)) ==
