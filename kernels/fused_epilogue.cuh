@@ -83,15 +83,6 @@ __device__ __forceinline__ float FastAccurateLog(float x) {
   return AccurateLogWithDivide(x, LogRangeDivide{});
 }
 
-// bits.v[index] without a run-time index into an array (which would put
-// the four words in local memory).
-__device__ __forceinline__ uint32_t SelectWord(const Philox4x32& bits,
-                                               uint32_t index) {
-  const uint32_t low = (index & 1u) ? bits.v[1] : bits.v[0];
-  const uint32_t high = (index & 1u) ? bits.v[3] : bits.v[2];
-  return (index & 2u) ? high : low;
-}
-
 // Bounds on GumbelScore(logit, inv_temperature, GumbelFromUniform(u))
 // from `scaled` = __fmul_rn(logit, inv_temperature) (the exact first step
 // of GumbelScore) and the fast logarithm. __logf is within 2^-21.41
@@ -217,17 +208,25 @@ constexpr int kQuadStagingStride = 36;
 constexpr int kQuadStagingFloats = 16 * kQuadStagingStride;
 
 // Epilogue shared memory of a CTA with kWarps epilogue warps and kBlockN
-// batch columns, kStaging floats of staging per warp.
-template <int kBlockN, int kWarps, int kStaging = kStagingFloats>
+// batch columns, kStaging floats of staging per warp, and the noise words
+// of kWordBlocks blocks per column (FillBlockWords; 1 and unused where the
+// lanes make their own block calls). The rows' steps are read from global
+// memory where needed: with the words of a 128-row tile, two full copies of
+// this struct and a ring of 192 KB fill the 227 KB of shared memory.
+template <int kBlockN, int kWarps, int kStaging = kStagingFloats,
+          int kWordBlocks = 1>
 struct EpilogueShared {
   static constexpr int kColumns = kBlockN;
+  static constexpr int kBlocks = kWordBlocks;
   float inv_temperature[kBlockN];
   uint64_t seed[kBlockN];
-  uint64_t step[kBlockN];
   unsigned long long best[kBlockN];  // packed candidates, one sample at a time
   // The in-kernel stage 2's keys of the columns (ColumnKey), read once per
   // item and sample (LoadFloorKeys; wgmma path only).
   unsigned long long floor_key[kBlockN];
+  // block_word[k][col]: the noise word (NoiseBlockOf's) of the item's k-th
+  // block of 16 rows for column col, this sample (wgmma path only).
+  uint32_t block_word[kWordBlocks][kBlockN];
   float staging[kWarps][kStaging];
 };
 
@@ -267,7 +266,6 @@ __device__ __forceinline__ void LoadColumnParams(const FusedArgs& args,
     const bool valid = b < args.batch;
     shared.inv_temperature[i] = valid ? args.inv_temperature[b] : 0.0f;
     shared.seed[i] = valid ? args.seeds[b] : 0;
-    shared.step[i] = valid ? args.steps[b] : 0;
   }
 }
 
@@ -303,6 +301,50 @@ __device__ __forceinline__ void LoadFloorKeys(const FusedArgs& args, int sample,
                                               int num_threads, Shared& shared) {
   for (int i = thread; i < Shared::kColumns; i += num_threads) {
     shared.floor_key[i] = ColumnKey(args, sample, batch_base + i);
+  }
+}
+
+// Whether the wgmma epilogue takes its lanes' block words from
+// EpilogueShared::block_word: on shards whose offset is a multiple of 64
+// (uniform over the launch), a 128-row tile is two whole block groups.
+__device__ __forceinline__ bool BlockWordsFilled(const FusedArgs& args) {
+  constexpr int64_t kGroupTokens = kNoiseBlockTokens * kNoiseBlocksPerGroup;
+  return (args.vocab_offset & (kGroupTokens - 1)) == 0;
+}
+
+// Makes the block-group calls (philox.h, NoiseBlockWords) of vocab tile
+// `tile` for the sampled columns from batch_base, one per (column, group),
+// into shared.block_word: two calls per column for a 128-row tile where the
+// lanes' own block calls were eight (one per block of 16 rows, each in the
+// warp that holds those rows). The caller's next barrier publishes them.
+template <typename Shared>
+__device__ __forceinline__ void FillBlockWords(const FusedArgs& args,
+                                               int sample, int64_t tile,
+                                               int batch_base, int thread,
+                                               int num_threads,
+                                               Shared& shared) {
+  constexpr int kGroups =
+      Shared::kBlocks / static_cast<int>(kNoiseBlocksPerGroup);
+  static_assert(Shared::kBlocks * static_cast<int>(kNoiseBlockTokens) ==
+                    kTileRows,
+                "one word per block of the tile");
+  if (!BlockWordsFilled(args)) return;
+  const int64_t group0 =
+      (args.vocab_offset + tile * kTileRows) >>
+      (kNoiseBlockShift + kNoiseGroupShift);
+  for (int i = thread; i < kGroups * Shared::kColumns; i += num_threads) {
+    const int col = i % Shared::kColumns;
+    const int group = i / Shared::kColumns;
+    const int b = batch_base + col;
+    // Greedy rows and columns past the batch never read their words.
+    if (b >= args.batch || args.inv_temperature[b] == 0.0f) continue;
+    const Philox4x32 words = NoiseBlockWords(
+        args.seeds[b], args.steps[b], static_cast<uint32_t>(sample),
+        static_cast<uint32_t>(group0 + group));
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(kNoiseBlocksPerGroup); ++k) {
+      shared.block_word[kNoiseBlocksPerGroup * group + k][col] = words.v[k];
+    }
   }
 }
 
@@ -418,7 +460,7 @@ __device__ __forceinline__ void ScoreSurvivingBlocks(uint32_t pending,
     pending = last < 31 ? pending & (0xfffffffeu << last) : 0u;
     if (!active) continue;
     const Philox4x32 words =
-        NoiseBits4(shared.seed[block.col], shared.step[block.col],
+        NoiseBits4(shared.seed[block.col], args.steps[block.row],
                    static_cast<uint32_t>(sample),
                    static_cast<uint32_t>((block.token0 >> 2) + part));
     const NoiseBlock noise_block{block.first_slot, block.uniform};
@@ -445,7 +487,7 @@ __device__ __forceinline__ void ScoreSurvivingBlocks(uint32_t pending,
       const int q = __ffs(candidates) - 1;
       candidates &= candidates - 1;
       const int slot = 4 * part + q;
-      const uint32_t word = SelectWord(words, static_cast<uint32_t>(q));
+      const uint32_t word = PhiloxWord(words, static_cast<uint32_t>(q));
       const float logit = block.logits[slot];
       const float scaled = __fmul_rn(logit, block.inv_temperature);
       const bool first = static_cast<uint32_t>(slot) == block.first_slot;
@@ -538,7 +580,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
   uint64_t step = 0;
   if (noisy) {
     seed = shared.seed[col];
-    step = shared.step[col];
+    step = args.steps[b];
     if (use_floor) threshold = floor;
   }
   // Exact pruning. A token's noise is at most its block's largest
@@ -566,6 +608,22 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
   const bool lane_holds_block =
       kBlockLayout && run_stride == 4 &&
       (args.vocab_offset & (kNoiseBlockTokens - 1)) == 0;
+  // The noise block of a lane that holds one: its word from the table
+  // (FillBlockWords) where the kernel keeps one and the shard allows it,
+  // else its own call.
+  const auto lane_block = [&]() {
+    const int64_t token0 = args.vocab_offset + row(0);
+    if constexpr (Shared::kBlocks * static_cast<int>(kNoiseBlockTokens) ==
+                  kTileRows) {
+      if (BlockWordsFilled(args)) {
+        return NoiseBlockFromWord(
+            shared.block_word[(row0 >> kNoiseBlockShift) &
+                              (Shared::kBlocks - 1)][col]);
+      }
+    }
+    return NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
+                        static_cast<uint32_t>(token0 >> kNoiseBlockShift));
+  };
   bool block_path = false;
   if constexpr (kBlockLayout) {
     block_path = floors_known && lane_holds_block;
@@ -576,8 +634,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
       NoiseBlock block{};
       float block_upper = -__int_as_float(0x7f800000);
       if (noisy) {
-        block = NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
-                             static_cast<uint32_t>(token0 >> kNoiseBlockShift));
+        block = lane_block();
         float max_logit = -__int_as_float(0x7f800000);
         if (valid_rows == kRuns * 4) {  // every tile but a shard's last
 #pragma unroll
@@ -630,9 +687,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
     scored_exactly = !block_path && lane_holds_block;  // warp-uniform
     if (scored_exactly && noisy) {
       const int64_t token0 = args.vocab_offset + row(0);
-      const NoiseBlock block =
-          NoiseBlockOf(seed, step, static_cast<uint32_t>(sample),
-                       static_cast<uint32_t>(token0 >> kNoiseBlockShift));
+      const NoiseBlock block = lane_block();
       // FastBlockSlotGumbel's first step, once for the block.
       const float min_exponential =
           BlockMinExponential(block.uniform, LogRangeDivide{});
@@ -673,7 +728,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
     // are few). Lanes that hold a whole noise block never come here (the
     // block path, or scored exactly above).
     const auto token_word = [&](int64_t token) {
-      return SelectWord(NoiseBits4(seed, step, static_cast<uint32_t>(sample),
+      return PhiloxWord(NoiseBits4(seed, step, static_cast<uint32_t>(sample),
                                    static_cast<uint32_t>(token >> 2)),
                         static_cast<uint32_t>(token & 3));
     };

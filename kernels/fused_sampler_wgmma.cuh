@@ -56,7 +56,8 @@ struct WgmmaKernelConfig {
   static constexpr int kStageBytesB = kHalfBytesB * kHalves;
   static_assert(kHalfBytesB % 1024 == 0, "swizzle atoms are 1024 bytes");
   static_assert(kBlockN % 16 == 0, "the epilogue scores 16 columns per call");
-  using Epilogue = EpilogueShared<kBlockN, 4, kQuadStagingFloats>;
+  using Epilogue =
+      EpilogueShared<kBlockN, 4, kQuadStagingFloats, kTileRows / 16>;
   static constexpr size_t kEpilogueBytes = (sizeof(Epilogue) + 15) / 16 * 16;
   static constexpr size_t kPipelineBytes =
       static_cast<size_t>(kStages) * (kStageBytesA + kStageBytesB);
@@ -430,6 +431,7 @@ __global__ void __launch_bounds__(384, 1)
         epilogue.best[i] = IdentityKey();
       }
       LoadFloorKeys(args, sample, batch_base, thread, 128, epilogue);
+      FillBlockWords(args, sample, tile, batch_base, thread, 128, epilogue);
       ptx::NamedBarrier(epilogue_barrier, 128);
       // Two n8 blocks (16 batch columns) of both m64 halves per call.
       const auto quad_at = [first_quad, quads](int i) {
@@ -475,6 +477,8 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = thread; i < kBlockN; i += 128) {
         epilogue.best[i] = IdentityKey();
       }
+      FillBlockWords(args, sample, piece.tile, batch_base, thread, 128,
+                     epilogue);
       ptx::NamedBarrier(epilogue_barrier, 128);
 #pragma unroll 1
       for (int q = 0; q < half_columns / 16; ++q) {

@@ -168,6 +168,14 @@ FS_HOST_DEVICE Philox4x32 NoiseBits4(uint64_t seed, uint64_t step,
                        static_cast<uint32_t>(seed >> 32));
 }
 
+// Word `index` (0..3) of a Philox output, without a run-time index into an
+// array (which would put the four words in local memory on the GPU).
+FS_HOST_DEVICE uint32_t PhiloxWord(const Philox4x32& bits, uint32_t index) {
+  const uint32_t low = (index & 1u) ? bits.v[1] : bits.v[0];
+  const uint32_t high = (index & 1u) ? bits.v[3] : bits.v[2];
+  return (index & 2u) ? high : low;
+}
+
 // Noise blocks. The Gumbel noise of a row is built per block of 16
 // consecutive global token ids (block = token id / 16, a fixed partition of
 // the vocabulary, like the token words) from the order statistics of
@@ -182,15 +190,22 @@ FS_HOST_DEVICE Philox4x32 NoiseBits4(uint64_t seed, uint64_t step,
 // counters built from those values, and argmax(logit / T + g) is still an
 // exact sample; the same tokens come out at any batch, tile or TP degree. What
 // the construction adds is the block's largest noise, -log(E_min), from one
-// call: a block whose largest scaled logit plus that noise is below a score
+// word: a block whose largest scaled logit plus that noise is below a score
 // already reached cannot hold the winner, so none of its token words are
 // needed (the kernels' pruning, docs/perf/fused_kernel_attempts.md attempt 27).
 // In terms of uniforms, the first slot's u is M = U^(1/16) (the maximum of 16
 // uniforms) and the others' are M * v. Resolution: U and v have 2^23 cells
 // (UniformFromBits), so the largest noise is about 19.4 (E_min >= 3.7e-9).
+//
+// The four blocks of a block group (64 consecutive ids, group = token id /
+// 64) take their words from one Philox call, word j for block 4 * group + j:
+// the wgmma kernel makes each call once for the four warps whose rows hold
+// those blocks, not once per block (attempt 33).
 constexpr uint32_t kNoiseBlockTokens = 16;
 constexpr uint32_t kNoiseBlockShift = 4;  // log2(kNoiseBlockTokens)
-// Marks block counters: token groups are < 2^29 (token ids are int32).
+constexpr uint32_t kNoiseBlocksPerGroup = 4;
+constexpr uint32_t kNoiseGroupShift = 2;  // log2(kNoiseBlocksPerGroup)
+// Marks block-group counters: token groups are < 2^29 (token ids are int32).
 constexpr uint32_t kNoiseBlockCounterFlag = 0x80000000u;
 
 struct NoiseBlock {
@@ -198,19 +213,31 @@ struct NoiseBlock {
   float uniform;        // U: E_min = -log(U) / 16
 };
 
-// One Philox call per (row, sample, block): counter = (flag | block,
-// sample_index, step low word, step high word), the row's seed as key. The
-// first slot comes from the low 4 bits of word 0, U from its top 23
-// (UniformFromBits), which do not overlap.
-FS_HOST_DEVICE NoiseBlock NoiseBlockOf(uint64_t seed, uint64_t step,
-                                       uint32_t sample_index, uint32_t block) {
-  const Philox4x32 counter{{kNoiseBlockCounterFlag | block, sample_index,
+// The words of block group `group` (blocks 4 * group .. 4 * group + 3): one
+// Philox call per (row, sample, group), counter = (flag | group,
+// sample_index, step low word, step high word), the row's seed as key.
+FS_HOST_DEVICE Philox4x32 NoiseBlockWords(uint64_t seed, uint64_t step,
+                                          uint32_t sample_index,
+                                          uint32_t group) {
+  const Philox4x32 counter{{kNoiseBlockCounterFlag | group, sample_index,
                             static_cast<uint32_t>(step),
                             static_cast<uint32_t>(step >> 32)}};
-  const uint32_t word = Philox4x32_10(counter, static_cast<uint32_t>(seed),
-                                      static_cast<uint32_t>(seed >> 32))
-                            .v[0];
+  return Philox4x32_10(counter, static_cast<uint32_t>(seed),
+                       static_cast<uint32_t>(seed >> 32));
+}
+
+// A block from its word: the first slot from the low 4 bits, U from the top
+// 23 (UniformFromBits), which do not overlap.
+FS_HOST_DEVICE NoiseBlock NoiseBlockFromWord(uint32_t word) {
   return NoiseBlock{word & (kNoiseBlockTokens - 1), UniformFromBits(word)};
+}
+
+// Block `block`: word block % 4 of its group's call.
+FS_HOST_DEVICE NoiseBlock NoiseBlockOf(uint64_t seed, uint64_t step,
+                                       uint32_t sample_index, uint32_t block) {
+  return NoiseBlockFromWord(PhiloxWord(
+      NoiseBlockWords(seed, step, sample_index, block >> kNoiseGroupShift),
+      block & (kNoiseBlocksPerGroup - 1)));
 }
 
 // E_min = -log(U) / 16 (the division by 16 is exact).

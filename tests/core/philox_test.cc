@@ -182,7 +182,7 @@ TEST(PhiloxTest, BlockNoiseEqualsGumbelNoiseOfEachSlot) {
 }
 
 // The first slot holds the block's largest noise (the bound the kernels
-// prune whole blocks with), and the block's call is the documented counter.
+// prune whole blocks with), and the block's word is the documented one.
 TEST(PhiloxTest, FirstSlotHoldsTheBlocksLargestNoise) {
   std::mt19937_64 rng(2);
   for (int i = 0; i < 20000; ++i) {
@@ -194,13 +194,15 @@ TEST(PhiloxTest, FirstSlotHoldsTheBlocksLargestNoise) {
     for (uint32_t slot = 0; slot < kNoiseBlockTokens; ++slot) {
       ASSERT_LE(GumbelNoise(seed, step, 0, 16 * block_index + slot), top);
     }
-    // The block call's counter carries the flag that no token group has.
+    // The block's word is word block % 4 of its group's call (block / 4),
+    // whose counter carries the flag that no token group has.
     const uint32_t word =
-        Philox4x32_10(
-            {{kNoiseBlockCounterFlag | block_index, 0,
-              static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32)}},
-            static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32))
-            .v[0];
+        Philox4x32_10({{kNoiseBlockCounterFlag | (block_index >> 2), 0,
+                        static_cast<uint32_t>(step),
+                        static_cast<uint32_t>(step >> 32)}},
+                      static_cast<uint32_t>(seed),
+                      static_cast<uint32_t>(seed >> 32))
+            .v[block_index & 3];
     ASSERT_EQ(block.first_slot, word % 16);
     ASSERT_EQ(FloatToBits(block.uniform), FloatToBits(UniformFromBits(word)));
   }

@@ -311,10 +311,12 @@ TEST(FusedSamplerGpuTest, SmallIntegerLogitsMatchCpuReferenceBitForBit) {
       (*sampler)->ComputeLogits(hidden.data(), kRows, reference.data()).ok());
 
   // Expected tokens for each vocab_offset (the shard's first global id; 6
-  // exercises the unaligned noise path), row and sample.
-  const int64_t offsets[] = {0, 6};
-  std::vector<std::vector<int32_t>> expected(2);
-  for (int o = 0; o < 2; ++o) {
+  // exercises the unaligned noise path, 48 the wgmma epilogue's own block
+  // calls where a tile is not two whole block groups), row and sample.
+  const int64_t offsets[] = {0, 6, 48};
+  constexpr int kOffsets = 3;
+  std::vector<std::vector<int32_t>> expected(kOffsets);
+  for (int o = 0; o < kOffsets; ++o) {
     for (int r = 0; r < kRows; ++r) {
       for (int s = 0; s < kSamples; ++s) {
         expected[o].push_back(ReferenceSample(&reference[r * kVocab], kVocab,
@@ -332,7 +334,7 @@ TEST(FusedSamplerGpuTest, SmallIntegerLogitsMatchCpuReferenceBitForBit) {
     for (FusedKernel path : AvailablePaths()) {
       for (const KernelConfig& config : ConfigsOf(path)) {
         for (int batch : {1, 3, 64, 200}) {
-          for (int o = 0; o < 2; ++o) {
+          for (int o = 0; o < kOffsets; ++o) {
             SCOPED_TRACE(::testing::Message()
                          << PathName(path) << " block_n=" << config.block_n
                          << " stage_k=" << config.stage_k << " batch=" << batch
