@@ -325,13 +325,12 @@ __device__ __forceinline__ void FillBlockWords(const FusedArgs& args,
                                                Shared& shared) {
   constexpr int kGroups =
       Shared::kBlocks / static_cast<int>(kNoiseBlocksPerGroup);
-  static_assert(Shared::kBlocks * static_cast<int>(kNoiseBlockTokens) ==
-                    kTileRows,
-                "one word per block of the tile");
+  static_assert(
+      Shared::kBlocks * static_cast<int>(kNoiseBlockTokens) == kTileRows,
+      "one word per block of the tile");
   if (!BlockWordsFilled(args)) return;
-  const int64_t group0 =
-      (args.vocab_offset + tile * kTileRows) >>
-      (kNoiseBlockShift + kNoiseGroupShift);
+  const int64_t group0 = (args.vocab_offset + tile * kTileRows) >>
+                         (kNoiseBlockShift + kNoiseGroupShift);
   for (int i = thread; i < kGroups * Shared::kColumns; i += num_threads) {
     const int col = i % Shared::kColumns;
     const int group = i / Shared::kColumns;

@@ -197,11 +197,10 @@ TEST(PhiloxTest, FirstSlotHoldsTheBlocksLargestNoise) {
     // The block's word is word block % 4 of its group's call (block / 4),
     // whose counter carries the flag that no token group has.
     const uint32_t word =
-        Philox4x32_10({{kNoiseBlockCounterFlag | (block_index >> 2), 0,
-                        static_cast<uint32_t>(step),
-                        static_cast<uint32_t>(step >> 32)}},
-                      static_cast<uint32_t>(seed),
-                      static_cast<uint32_t>(seed >> 32))
+        Philox4x32_10(
+            {{kNoiseBlockCounterFlag | (block_index >> 2), 0,
+              static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32)}},
+            static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32))
             .v[block_index & 3];
     ASSERT_EQ(block.first_slot, word % 16);
     ASSERT_EQ(FloatToBits(block.uniform), FloatToBits(UniformFromBits(word)));
