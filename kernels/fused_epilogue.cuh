@@ -4,7 +4,7 @@
 //
 // Both tensor-core paths leave a warp holding fragments in the same layout:
 // lane (g = lane / 4, c = lane % 4) has vocab rows g and g + 8, batch columns
-// 2c and 2c + 1. A token's noise comes from its block's Philox call
+// 2c and 2c + 1. A token's noise comes from its block's Philox word
 // (NoiseBlockOf: 16 consecutive global ids) and its own word (NoiseBits4:
 // 4 consecutive ids per call), so a per-warp staging buffer transposes the
 // fragments into runs of 4 consecutive vocab rows of one column per lane:
@@ -16,7 +16,7 @@
 // the CTA.
 //
 // The noise is pruned exactly: cheap bounds on the scores (a whole block's
-// from its one call, then each token's from its Philox word, then from the
+// from its one word, then each token's from its Philox word, then from the
 // fast logarithm) discard the tokens that are strictly worse than a
 // candidate already reached in this launch, and only the rest get the exact
 // noise of kernels/philox.h. The winner, ties included, is never discarded,
@@ -436,7 +436,7 @@ ShuffleSurvivingBlock(const SurvivingBlock& block, int source) {
 // call of token words for 4 of its tokens. A warp with a few surviving
 // blocks (the usual case once a floor is known) then pays one call's
 // latency, not every lane's four. Each token is bounded by its word (or,
-// the first slot, by the block's call), then by the fast logarithm, against
+// the first slot, by the block's word), then by the fast logarithm, against
 // the block's threshold and the lane's best exact score; the rest get the
 // exact noise, and each lane merges its best into shared.best and
 // publishes it as a floor directly.
@@ -464,7 +464,7 @@ __device__ __forceinline__ void ScoreSurvivingBlocks(uint32_t pending,
                    static_cast<uint32_t>((block.token0 >> 2) + part));
     const NoiseBlock noise_block{block.first_slot, block.uniform};
     // Bounds first, for the lane's 4 tokens: from the word (the first
-    // slot: from the block's call) against the threshold. Strictly below a
+    // slot: from the block's word) against the threshold. Strictly below a
     // score reached: strictly worse than that token, so it cannot win.
     uint32_t candidates = 0;
 #pragma unroll
@@ -585,7 +585,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
   // Exact pruning. A token's noise is at most its block's largest
   // (philox.h, NoiseBlockOf), so where a lane's 16 tokens are one noise
   // block (the wgmma staging, on a shard whose offset is a multiple of 16)
-  // one Philox call and the block's largest logit bound all 16 scores. Once
+  // one Philox word and the block's largest logit bound all 16 scores. Once
   // the launch's floor is known, a block below the threshold (the floor,
   // the CTA's best so far) needs no token words at all: ~99.5% of the
   // blocks of the benchmark's flat rows (docs/perf/fused_kernel_attempts.md,

@@ -155,7 +155,7 @@ cudaError_t LaunchNoiseSelfCheck(unsigned int* mismatches, cudaStream_t stream);
 // The pruning brackets of the stage-1 epilogue (fused_epilogue.cuh): bounds
 // on a token's score from its Philox word (WordUpperBound, and with its
 // block's uniform WordLowerBound), from the fast logarithm (PruneBounds) and
-// from its block's call (BlockUpperBound, BlockFirstLowerBound). Each upper
+// from its block's word (BlockUpperBound, BlockFirstLowerBound). Each upper
 // bound is what a token or a whole block is compared with before it is
 // skipped (against the launch's floor, the best exact score and, without a
 // floor, the best lower bound); pruning is exact only if every bound holds.

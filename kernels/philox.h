@@ -260,8 +260,9 @@ FS_HOST_DEVICE float BlockSlotGumbel(float min_exponential, bool first_slot,
 }
 
 // The noise of all 16 slots of block `block`, slot by slot what GumbelNoise
-// gives, with each Philox call (the block's and its four token-word calls)
-// made once: for samplers that walk a vocabulary block by block.
+// gives, with each Philox call (the block group's and the block's four
+// token-word calls) made once: for samplers that walk a vocabulary block by
+// block.
 FS_HOST_DEVICE void BlockNoise(uint64_t seed, uint64_t step,
                                uint32_t sample_index, uint32_t block,
                                float (&noise)[kNoiseBlockTokens]) {
@@ -286,7 +287,7 @@ FS_HOST_DEVICE void BlockNoise(uint64_t seed, uint64_t step,
   }
 }
 
-// Gumbel noise of one token: its block's call and, unless it holds the
+// Gumbel noise of one token: its block's word and, unless it holds the
 // block's minimum, its token word.
 FS_HOST_DEVICE float GumbelNoise(uint64_t seed, uint64_t step,
                                  uint32_t sample_index, uint32_t token_id) {
