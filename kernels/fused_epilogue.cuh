@@ -335,7 +335,10 @@ __device__ __forceinline__ void FillBlockWords(const FusedArgs& args,
     const int col = i % Shared::kColumns;
     const int group = i / Shared::kColumns;
     const int b = batch_base + col;
-    // Greedy rows and columns past the batch never read their words.
+    // Greedy rows and columns past the batch never read their words. The
+    // row's parameters come from global memory: LoadColumnParams' shared
+    // copies are written by other threads (at block_n < 128) with no
+    // barrier before this.
     if (b >= args.batch || args.inv_temperature[b] == 0.0f) continue;
     const Philox4x32 words = NoiseBlockWords(
         args.seeds[b], args.steps[b], static_cast<uint32_t>(sample),
