@@ -6,6 +6,11 @@
 # table is printed last.
 #
 #   scripts/device_run.sh <outdir> [tests|bench|all]
+#
+# The bench also times the fused / cuBLAS pair at B = 128 and 256 again with
+# 1000 calls per method (results_steady.csv; FS_BENCH_STEADY=0 skips it):
+# there every method runs at the GPU's power cap, and a 100-call median moves
+# with its place in the run (docs/perf/README.md, Method).
 set -uo pipefail
 if (($# < 1)); then
   echo "usage: $0 <outdir> [tests|bench|all]" >&2
@@ -91,6 +96,17 @@ if [[ $mode == bench || $mode == all ]]; then
   if [[ -f $out/results.csv ]]; then
     python3 "$bundle/plot_bench.py" "$out/results.csv" "$out/bench.png" 2>&1 | tee -a "$log"
   fi
+  if [[ ${FS_BENCH_STEADY:-1} != 0 ]]; then
+    say "== fs_bench, steady state: 1000 calls per method at B = 128 and 256"
+    steady=$(mktemp -d)
+    timeout "${FS_BENCH_TIMEOUT:-300}" "$bundle/bin/fs_bench" --out "$steady" \
+      --batches 128,256 --no-sweep --iters 1000 --warmup 100 2>&1 | tee -a "$log"
+    summary+=("$(printf '%-28s rc=%s' "fs_bench steady state" "${PIPESTATUS[0]}")")
+    # Only the summary comes back: the device tool returns at most 8 files.
+    if [[ -f $steady/results.csv ]]; then
+      cp "$steady/results.csv" "$out/results_steady.csv"
+    fi
+  fi
 fi
 
 {
@@ -101,5 +117,11 @@ fi
     echo
     echo "config    B  path    fused_us  cublas_us  fused/cublas  interleaved  best_variant        best/cublas  W_TB/s  stream_TB/s  W/stream  softmax+multi_us  gumbel_us"
     awk -F, 'NR > 1 { printf "%-7s %4d  %-6s %9.1f %10.1f %12.3f %12.3f  %-18s %11.3f %7.2f %12.2f %9.3f %17.1f %10.1f\n", $1, $4, $5, $6, $7, $10, $17, $11, $13, $14, $15, $16, $8, $9 }' "$out/results.csv"
+  fi
+  if [[ -f $out/results_steady.csv ]]; then
+    echo
+    echo "steady state (1000 calls per method)"
+    echo "config    B  fused_us  cublas_us  fused/cublas  interleaved"
+    awk -F, 'NR > 1 { printf "%-7s %4d %9.1f %10.1f %13.3f %12.3f\n", $1, $4, $6, $7, $10, $17 }' "$out/results_steady.csv"
   fi
 } | tee -a "$log"
