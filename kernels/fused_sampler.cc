@@ -320,7 +320,6 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   args.shard_winners = params.shard_winners;
   args.split_last_round = params.split_last_round;
   args.share_last_epilogue = params.share_last_epilogue;
-  args.multicast_w = false;
   args.timeline = params.timeline;
   args.timeline_pieces = params.timeline_pieces;
   // W streams through L2 once, unless a second batch tile re-reads it.
@@ -371,18 +370,10 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   } else if (promotion_bytes < 0) {
     promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE;
   }
-  // CTA pairs share a vocab tile in every round of the persistent schedule
-  // when both the batch tiles and the grid are even (fused_sampler_wgmma.cuh,
-  // WorkSchedule).
-  const int batch_tiles = (params.batch + block_n - 1) / block_n;
-  args.multicast_w = params.w_multicast && block_n == 128 &&
-                     batch_tiles % 2 == 0 && MultiprocessorCount() % 2 == 0;
-  cudaError_t error = EncodeTensorMap(
-      &map_w, params.weights, params.dtype,
-      static_cast<uint64_t>(params.hidden_size),
-      static_cast<uint64_t>(params.vocab_rows),
-      args.multicast_w ? fused::kWMulticastBoxRows : fused::kTileRows,
-      promotion);
+  cudaError_t error = EncodeTensorMap(&map_w, params.weights, params.dtype,
+                                      static_cast<uint64_t>(params.hidden_size),
+                                      static_cast<uint64_t>(params.vocab_rows),
+                                      fused::kTileRows, promotion);
   if (error != cudaSuccess) return error;
   error = EncodeTensorMap(&map_h, params.hidden, params.dtype,
                           static_cast<uint64_t>(params.hidden_size),

@@ -102,13 +102,6 @@ struct FusedSampleParams {
   // consumer warpgroups (its owner stages half of its accumulators in shared
   // memory). Off only for the benchmark's comparison; same bits either way.
   bool share_last_epilogue = true;
-  // wgmma path, block_n 128 with an even number of 128-column batch tiles
-  // (B = 129..256) on an even grid: the two CTAs working on one vocab tile's
-  // two batch tiles run as a 2-CTA cluster and each loads half of every W
-  // stage into both (TMA multicast), so W leaves L2 once per tile instead of
-  // once per batch tile. Off only for the benchmark's comparison; same bits
-  // either way.
-  bool w_multicast = true;
   // Optional, for profiling (fs_bench --timeline): the wgmma path records,
   // per (CTA, consumer warpgroup, piece), the %globaltimer nanoseconds at
   // which the piece's wgmmas start (after the hand-off), end, and its

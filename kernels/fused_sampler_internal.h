@@ -47,17 +47,9 @@ struct FusedArgs {
   uint64_t w_cache_hint;     // TMA L2 hint for W (wgmma path)
   bool split_last_round;     // wgmma path (FusedSampleParams)
   bool share_last_epilogue;  // wgmma path (FusedSampleParams)
-  // wgmma path, block_n 128: launch in CTA pairs that multicast W (the
-  // dispatcher sets it only where the schedule pairs CTAs on one vocab tile,
-  // and encodes the W tensor map with kWMulticastBoxRows-row boxes).
-  bool multicast_w;
-  uint64_t* timeline;  // wgmma path (FusedSampleParams), or null
+  uint64_t* timeline;        // wgmma path (FusedSampleParams), or null
   int timeline_pieces;
 };
-
-// W rows per TMA box when a CTA pair multicasts W: each CTA loads half of
-// every 128-row stage.
-constexpr int kWMulticastBoxRows = kTileRows / 2;
 
 // Workspace of the in-kernel stage 2: the counter, then the keys.
 constexpr size_t kWorkspaceCounterBytes = 256;

@@ -151,23 +151,11 @@ constexpr int kRingDrainedBarrier = 6;
 // acc0, 64-127 into acc1), one k-block kept in flight; each stage goes back
 // to the producer once its wgmmas are done. On the last stage it lets the
 // other consumer start the CTA's next piece (hand_off).
-template <typename T, int kN, typename Config, int kStages, int kHalves,
-          int kClusterCtas>
+template <typename T, int kN, typename Config, int kStages, int kHalves>
 __device__ __forceinline__ void MultiplyPiece(
     float (&acc0)[kN / 2], float (&acc1)[kN / 2], uint32_t smem_a_base,
     uint32_t smem_b_base, uint32_t full_bar_base, uint32_t empty_bar_base,
     int num_steps, uint32_t seq0, int hand_off_barrier, int lane) {
-  // A consumed stage goes back to this CTA's producer and, when W is
-  // multicast, to the peer's, whose next load of that stage writes here.
-  const auto release = [empty_bar_base, lane](uint32_t stage) {
-    if (lane == 0) {
-      ptx::MbarrierArrive(empty_bar_base + 8 * stage);
-      if constexpr (kClusterCtas == 2) {
-        ptx::MbarrierArriveRemote(empty_bar_base + 8 * stage,
-                                  ptx::ClusterCtaRank() ^ 1u);
-      }
-    }
-  };
   FenceAccumulators(acc0);
   FenceAccumulators(acc1);
   // Ring position of the first stage; advanced incrementally (a run-time
@@ -206,7 +194,9 @@ __device__ __forceinline__ void MultiplyPiece(
     ptx::WgmmaWait<1>();
     FenceAccumulators(acc0);
     FenceAccumulators(acc1);
-    if (step > 0) release(previous_stage);
+    if (step > 0 && lane == 0) {
+      ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
+    }
     previous_stage = stage;
     if (++stage == kStages) {
       stage = 0;
@@ -216,7 +206,7 @@ __device__ __forceinline__ void MultiplyPiece(
   ptx::WgmmaWait<0>();
   FenceAccumulators(acc0);
   FenceAccumulators(acc1);
-  release(previous_stage);
+  if (lane == 0) ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
 }
 
 // The first kCount floats of an accumulator array, as an array (the narrow
@@ -228,13 +218,7 @@ __device__ __forceinline__ float (
   return *reinterpret_cast<float(*)[kCount]>(&acc[0]);
 }
 
-// kClusterCtas 2: W multicast (see LaunchWgmmaKernel). The two CTAs of a
-// cluster walk the same vocab tiles (the schedule gives CTAs 2c and 2c + 1
-// the two batch tiles of one vocab tile in every round when both the batch
-// tiles and the grid are even); each loads 64 of the tile's 128 W rows of
-// every stage into both CTAs, so a W byte leaves L2 once per pair instead
-// of twice. A stage is refilled once both CTAs' consumers released it.
-template <typename T, int kBlockN, int kStages, int kHalves, int kClusterCtas>
+template <typename T, int kBlockN, int kStages, int kHalves>
 __global__ void __launch_bounds__(384, 1)
     FusedWgmmaKernel(const __grid_constant__ CUtensorMap tensor_map_w,
                      const __grid_constant__ CUtensorMap tensor_map_h,
@@ -242,8 +226,6 @@ __global__ void __launch_bounds__(384, 1)
 #if FS_SM90A_ENABLED
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
   constexpr int kHalf = kBlockN / 2;  // accumulators per m64 wgmma
-  constexpr bool kMulticastW = kClusterCtas == 2;
-  static_assert(kClusterCtas == 1 || kClusterCtas == 2, "pairs at most");
   // The CTA's last piece ends on an epilogue that no other consumer's
   // wgmmas hide (~15 us at B = 256: docs/perf/fused_kernel_attempts.md,
   // attempt 20). Its owner stages the accumulators of the piece's second
@@ -296,8 +278,7 @@ __global__ void __launch_bounds__(384, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::MbarrierInit(ptx::SmemAddr(&full_bar[s]), 1);
-      // One arrival per consumer warp, of this CTA and of the peer.
-      ptx::MbarrierInit(ptx::SmemAddr(&empty_bar[s]), 4 * kClusterCtas);
+      ptx::MbarrierInit(ptx::SmemAddr(&empty_bar[s]), 4);  // one warpgroup
     }
     ptx::FenceBarrierInit();
   }
@@ -305,12 +286,7 @@ __global__ void __launch_bounds__(384, 1)
     ptx::PrefetchTensorMap(&tensor_map_w);
     ptx::PrefetchTensorMap(&tensor_map_h);
   }
-  if constexpr (kMulticastW) {
-    // The peer multicasts into this CTA's ring and arrives on its barriers.
-    ptx::ClusterSync();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -320,12 +296,6 @@ __global__ void __launch_bounds__(384, 1)
     // parity, which passes at once.
     if (threadIdx.x == 0) {
       constexpr uint32_t kHalfTx = Config::kHalfBytesA + Config::kHalfBytesB;
-      // Multicast: this CTA's 64 rows of each W box, at their place in both
-      // CTAs' stage (the 128-byte swizzle repeats every 8 rows, so two
-      // 64-row boxes lay out as one 128-row box).
-      const uint32_t w_part = kMulticastW ? ptx::ClusterCtaRank() : 0;
-      constexpr int kWBoxRows = kMulticastW ? kWMulticastBoxRows : kTileRows;
-      static_assert(kWBoxRows * kClusterCtas == kTileRows, "halves of W");
       uint32_t seq = 0;
       const int pieces = schedule.PiecesOf(blockIdx.x);
       for (int j = 0; j < pieces; ++j) {
@@ -343,33 +313,13 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int h = 0; h < kHalves; ++h) {
             const int k0 = (step * kHalves + h) * kBlockK;
-            const uint32_t dst_w =
-                ptx::SmemAddr(smem_a + stage * Config::kStageBytesA +
-                              h * Config::kHalfBytesA) +
-                w_part * (kWBoxRows * kBlockK * 2);
-            if constexpr (kMulticastW) {
-              ptx::TmaLoad2dMulticast(
-                  dst_w, &tensor_map_w, k0,
-                  row0 + static_cast<int32_t>(w_part) * kWBoxRows, full, 0x3,
-                  args.w_cache_hint);
-            } else {
-              ptx::TmaLoad2d(dst_w, &tensor_map_w, k0, row0, full,
-                             args.w_cache_hint);
-            }
+            ptx::TmaLoad2d(ptx::SmemAddr(smem_a + stage * Config::kStageBytesA +
+                                         h * Config::kHalfBytesA),
+                           &tensor_map_w, k0, row0, full, args.w_cache_hint);
             ptx::TmaLoad2d(ptx::SmemAddr(smem_b + stage * Config::kStageBytesB +
                                          h * Config::kHalfBytesB),
                            &tensor_map_h, k0, col0, full, ptx::kL2EvictLast);
           }
-        }
-      }
-      if constexpr (kMulticastW) {
-        // Stay until both CTAs' consumers have released every stage's last
-        // use (the waits a next round of loads would make): then the peer
-        // has received all of this CTA's multicasts and made all its
-        // arrivals on this CTA's barriers, so the CTA may exit.
-        for (uint32_t end = seq + kStages; seq < end; ++seq) {
-          ptx::MbarrierWait(ptx::SmemAddr(&empty_bar[seq % kStages]),
-                            ((seq / kStages) & 1) ^ 1);
         }
       }
     }
@@ -418,17 +368,17 @@ __global__ void __launch_bounds__(384, 1)
     const int hand_off = j + 1 < pieces ? kHandoffBarrier + (1 - consumer) : -1;
     if constexpr (WorkSchedule<kBlockN>::kCanSplit) {
       if (piece.half) {
-        MultiplyPiece<T, kBlockN / 2, Config, kStages, kHalves, kClusterCtas>(
+        MultiplyPiece<T, kBlockN / 2, Config, kStages, kHalves>(
             LeadingAccumulators<kHalf / 2>(acc0),
             LeadingAccumulators<kHalf / 2>(acc1), smem_a_base, smem_b_base,
             full_bar_base, empty_bar_base, num_steps, seq0, hand_off, lane);
       } else {
-        MultiplyPiece<T, kBlockN, Config, kStages, kHalves, kClusterCtas>(
+        MultiplyPiece<T, kBlockN, Config, kStages, kHalves>(
             acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
             num_steps, seq0, hand_off, lane);
       }
     } else {
-      MultiplyPiece<T, kBlockN, Config, kStages, kHalves, kClusterCtas>(
+      MultiplyPiece<T, kBlockN, Config, kStages, kHalves>(
           acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
           num_steps, seq0, hand_off, lane);
     }
@@ -553,42 +503,17 @@ cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
                               const void* tensor_map_h, int grid,
                               cudaStream_t stream) {
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
-  const int64_t tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
-  const int64_t items = tiles * ((args.batch + kBlockN - 1) / kBlockN);
-  const int ctas = static_cast<int>(items < grid ? items : grid);
-  const CUtensorMap& map_w = *static_cast<const CUtensorMap*>(tensor_map_w);
-  const CUtensorMap& map_h = *static_cast<const CUtensorMap*>(tensor_map_h);
-  if constexpr (kBlockN == 128) {
-    if (args.multicast_w) {
-      // Pairs of CTAs in 2-CTA clusters (the dispatcher checked that the
-      // batch tiles and the grid are even, so ctas is too).
-      auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, 2>;
-      cudaError_t error = cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-          static_cast<int>(Config::kSmemBytes));
-      if (error != cudaSuccess) return error;
-      cudaLaunchAttribute cluster;
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 2;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(static_cast<unsigned>(ctas));
-      config.blockDim = dim3(Config::kThreads);
-      config.dynamicSmemBytes = Config::kSmemBytes;
-      config.stream = stream;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      return cudaLaunchKernelEx(&config, kernel, map_w, map_h, args);
-    }
-  }
-  auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, 1>;
+  auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves>;
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(Config::kSmemBytes));
   if (error != cudaSuccess) return error;
-  kernel<<<ctas, Config::kThreads, Config::kSmemBytes, stream>>>(map_w, map_h,
-                                                                 args);
+  const int64_t tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
+  const int64_t items = tiles * ((args.batch + kBlockN - 1) / kBlockN);
+  const int ctas = static_cast<int>(items < grid ? items : grid);
+  kernel<<<ctas, Config::kThreads, Config::kSmemBytes, stream>>>(
+      *static_cast<const CUtensorMap*>(tensor_map_w),
+      *static_cast<const CUtensorMap*>(tensor_map_h), args);
   return cudaGetLastError();
 }
 

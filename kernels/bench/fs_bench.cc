@@ -263,7 +263,6 @@ struct Variant {
   int stage_k = 0;
   bool split_last_round = true;
   bool share_last_epilogue = true;
-  bool w_multicast = true;
 };
 
 const char* KernelName(FusedKernel kernel) {
@@ -451,12 +450,6 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       Variant alone{"fused_wgmma_noshare", FusedKernel::kWgmma, 0};
       alone.share_last_epilogue = false;
       variants.push_back(alone);
-      // The 128-wide tiles (default stages) at B = 129..256 without W
-      // multicast over CTA pairs (FusedSampleParams::w_multicast).
-      Variant unpaired{"fused_wgmma_n128_nomulticast", FusedKernel::kWgmma,
-                       128};
-      unpaired.w_multicast = false;
-      variants.push_back(unpaired);
       // The wider tiles with W's L2 promotion at 128 B and none (256 B is
       // their default).
       for (int block_n : {64, 128}) {
@@ -496,8 +489,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     auto fused_run =
         [&](FusedKernel kernel, int block_n, bool in_kernel, bool greedy,
             L2Hint hint = L2Hint::kAuto, int promotion = 0, int stage_k = 0,
-            bool split_last_round = true, bool share_last_epilogue = true,
-            bool w_multicast = true) {
+            bool split_last_round = true, bool share_last_epilogue = true) {
           FusedSampleParams params;
           params.weights = weights;
           params.hidden = hidden_states;
@@ -521,7 +513,6 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
           params.w_stage_k = stage_k;
           params.split_last_round = split_last_round;
           params.share_last_epilogue = share_last_epilogue;
-          params.w_multicast = w_multicast;
           params.timeline = timeline_now;
           params.timeline_pieces = kTimelinePieces;
           cudaError_t error =
@@ -578,8 +569,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     auto launch_variant = [&](const Variant& variant) {
       return fused_run(variant.kernel, variant.block_n, true, false,
                        variant.hint, variant.promotion, variant.stage_k,
-                       variant.split_last_round, variant.share_last_epilogue,
-                       variant.w_multicast);
+                       variant.split_last_round, variant.share_last_epilogue);
     };
     auto time = [&](const std::string& name,
                     const std::function<cudaError_t()>& launch) {

@@ -57,7 +57,6 @@ struct LaunchSpec {
   int stage_k = 0;
   bool split_last_round = true;
   bool share_last_epilogue = true;
-  bool w_multicast = true;
   bool want_logits = false;
 };
 
@@ -112,7 +111,6 @@ struct LaunchOutput {
   params.w_stage_k = spec.stage_k;
   params.split_last_round = spec.split_last_round;
   params.share_last_epilogue = spec.share_last_epilogue;
-  params.w_multicast = spec.w_multicast;
   cudaError_t error = LaunchFusedSample(params, nullptr, 0, nullptr);
   if (error != cudaSuccess) {
     return ::testing::AssertionFailure()
@@ -438,12 +436,9 @@ TEST(FusedSamplerGpuTest, SanitizerSmallCase) {
 // fused_sampler_wgmma.cuh). Here the vocabulary is SMs + 3 tiles, the last
 // one ragged, so that every batch of 65..256 rows (block_n 128) ends in such
 // a round: 3 or 6 items on a grid of SMs. Logits and tokens must be exact,
-// with the split and without it, with the CTA's last piece scored by both
-// consumers (the default, in every other test too) and by its owner alone,
-// and at B = 129..256 with W multicast over CTA pairs (the default) and
-// without. The last tile keeps 88 rows (the second CTA's 64-row W box
-// partly outside the shard) or 28 (wholly outside). Small enough for
-// compute-sanitizer.
+// with the split and without it, and with the CTA's last piece scored by
+// both consumers (the default, in every other test too) and by its owner
+// alone. Small enough for compute-sanitizer.
 TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
   FS_SKIP_WITHOUT_GPU();
   if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
@@ -452,68 +447,60 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0),
             cudaSuccess);
+  const int64_t vocab = (sms + 3) * int64_t{FusedSampleTileRows()} - 40;
   constexpr int kHidden = 128;
   constexpr int kRows = 256;
   constexpr int kSamples = 2;
   constexpr int64_t kOffset = 6;
-  for (const int last_tile_rows : {88, 28}) {
-    const int64_t vocab =
-        (sms + 2) * int64_t{FusedSampleTileRows()} + last_tile_rows;
-    std::mt19937_64 rng(21);
-    const std::vector<float> weights = SmallIntegers(vocab * kHidden, 3, rng);
-    const std::vector<float> hidden = SmallIntegers(kRows * kHidden, 2, rng);
-    std::vector<float> inv_t;
-    std::vector<uint64_t> seeds;
-    std::vector<uint64_t> steps;
-    MakeControls(kRows, 6, &inv_t, &seeds, &steps);
-    auto sampler =
-        CpuSampler::Create(std::make_shared<const std::vector<float>>(weights),
-                           vocab, kHidden, CpuSamplerOptions());
-    ASSERT_TRUE(sampler.ok()) << sampler.status();
-    std::vector<float> reference(static_cast<size_t>(kRows) * vocab);
-    ASSERT_TRUE(
-        (*sampler)->ComputeLogits(hidden.data(), kRows, reference.data()).ok());
-    Problem problem;
-    ASSERT_TRUE(MakeProblem(weights, hidden, vocab, kHidden, KernelDType::kBf16,
-                            inv_t, seeds, steps, &problem));
-    struct Schedule {
-      bool split;
-      bool share;
-      bool multicast;
-    };
-    for (int batch : {65, 128, 200, 256}) {
-      for (Schedule schedule :
-           {Schedule{true, true, true}, Schedule{false, true, true},
-            Schedule{true, false, true}, Schedule{true, true, false}}) {
-        SCOPED_TRACE(::testing::Message()
-                     << "batch " << batch << " split " << schedule.split
-                     << " share " << schedule.share << " multicast "
-                     << schedule.multicast << " SMs " << sms
-                     << " last tile rows " << last_tile_rows);
-        LaunchSpec spec;
-        spec.batch = batch;
-        spec.num_samples = kSamples;
-        spec.vocab_offset = kOffset;
-        spec.kernel = FusedKernel::kWgmma;
-        spec.block_n = 128;
-        spec.split_last_round = schedule.split;
-        spec.share_last_epilogue = schedule.share;
-        spec.w_multicast = schedule.multicast;
-        spec.want_logits = true;
-        LaunchOutput out;
-        ASSERT_TRUE(RunFused(problem, spec, &out));
-        ASSERT_EQ(std::memcmp(out.logits.data(), reference.data(),
-                              sizeof(float) * batch * vocab),
-                  0)
-            << "logits differ from the exact small-integer products";
-        for (int r = 0; r < batch; ++r) {
-          for (int s = 0; s < kSamples; ++s) {
-            ASSERT_EQ(out.tokens[r * kSamples + s],
-                      ReferenceSample(&reference[r * vocab], vocab, kOffset,
-                                      inv_t[r], seeds[r], steps[r], s)
-                          .token_id)
-                << "row " << r << " sample " << s;
-          }
+  std::mt19937_64 rng(21);
+  const std::vector<float> weights = SmallIntegers(vocab * kHidden, 3, rng);
+  const std::vector<float> hidden = SmallIntegers(kRows * kHidden, 2, rng);
+  std::vector<float> inv_t;
+  std::vector<uint64_t> seeds;
+  std::vector<uint64_t> steps;
+  MakeControls(kRows, 6, &inv_t, &seeds, &steps);
+  auto sampler =
+      CpuSampler::Create(std::make_shared<const std::vector<float>>(weights),
+                         vocab, kHidden, CpuSamplerOptions());
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  std::vector<float> reference(static_cast<size_t>(kRows) * vocab);
+  ASSERT_TRUE(
+      (*sampler)->ComputeLogits(hidden.data(), kRows, reference.data()).ok());
+  Problem problem;
+  ASSERT_TRUE(MakeProblem(weights, hidden, vocab, kHidden, KernelDType::kBf16,
+                          inv_t, seeds, steps, &problem));
+  struct Schedule {
+    bool split;
+    bool share;
+  };
+  for (int batch : {65, 128, 200, 256}) {
+    for (Schedule schedule :
+         {Schedule{true, true}, Schedule{false, true}, Schedule{true, false}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "batch " << batch << " split " << schedule.split
+                   << " share " << schedule.share << " SMs " << sms);
+      LaunchSpec spec;
+      spec.batch = batch;
+      spec.num_samples = kSamples;
+      spec.vocab_offset = kOffset;
+      spec.kernel = FusedKernel::kWgmma;
+      spec.block_n = 128;
+      spec.split_last_round = schedule.split;
+      spec.share_last_epilogue = schedule.share;
+      spec.want_logits = true;
+      LaunchOutput out;
+      ASSERT_TRUE(RunFused(problem, spec, &out));
+      ASSERT_EQ(std::memcmp(out.logits.data(), reference.data(),
+                            sizeof(float) * batch * vocab),
+                0)
+          << "logits differ from the exact small-integer products";
+      for (int r = 0; r < batch; ++r) {
+        for (int s = 0; s < kSamples; ++s) {
+          ASSERT_EQ(out.tokens[r * kSamples + s],
+                    ReferenceSample(&reference[r * vocab], vocab, kOffset,
+                                    inv_t[r], seeds[r], steps[r], s)
+                        .token_id)
+              << "row " << r << " sample " << s;
         }
       }
     }
