@@ -209,18 +209,18 @@ cudaError_t LaunchMmaFor(int block_n, const FusedArgs& args,
 
 template <DTypeTag kDType, int kHalves>
 cudaError_t LaunchWgmmaFor(int block_n, const FusedArgs& args,
-                           const CUtensorMap& map_w, const CUtensorMap& map_h,
+                           const CUtensorMap& map_w, const CUtensorMap* maps_h,
                            cudaStream_t stream) {
   const int grid = MultiprocessorCount();
   switch (block_n) {
     case 16:
-      return fused::LaunchWgmma<kDType, 16, kHalves>(args, &map_w, &map_h, grid,
+      return fused::LaunchWgmma<kDType, 16, kHalves>(args, &map_w, maps_h, grid,
                                                      stream);
     case 64:
-      return fused::LaunchWgmma<kDType, 64, kHalves>(args, &map_w, &map_h, grid,
+      return fused::LaunchWgmma<kDType, 64, kHalves>(args, &map_w, maps_h, grid,
                                                      stream);
     case 128:
-      return fused::LaunchWgmma<kDType, 128, kHalves>(args, &map_w, &map_h,
+      return fused::LaunchWgmma<kDType, 128, kHalves>(args, &map_w, maps_h,
                                                       grid, stream);
     default:
       return cudaErrorNotSupported;
@@ -229,11 +229,11 @@ cudaError_t LaunchWgmmaFor(int block_n, const FusedArgs& args,
 
 template <DTypeTag kDType>
 cudaError_t LaunchWgmmaFor(int block_n, int stage_k, const FusedArgs& args,
-                           const CUtensorMap& map_w, const CUtensorMap& map_h,
+                           const CUtensorMap& map_w, const CUtensorMap* maps_h,
                            cudaStream_t stream) {
   return stage_k == 128
-             ? LaunchWgmmaFor<kDType, 2>(block_n, args, map_w, map_h, stream)
-             : LaunchWgmmaFor<kDType, 1>(block_n, args, map_w, map_h, stream);
+             ? LaunchWgmmaFor<kDType, 2>(block_n, args, map_w, maps_h, stream)
+             : LaunchWgmmaFor<kDType, 1>(block_n, args, map_w, maps_h, stream);
 }
 
 bool Aligned16(const void* pointer) {
@@ -353,7 +353,10 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
     return cudaErrorNotSupported;
   }
   CUtensorMap map_w;
-  CUtensorMap map_h;
+  // H in boxes of block_n rows, and of block_n / 2 rows for the half pieces
+  // of a split last round (block_n 128 only; a copy of the first map
+  // otherwise).
+  CUtensorMap maps_h[2];
   // Default promotion: 128 B at block_n 16 (pure W streaming at B <= 32),
   // where two H200 runs measured it 2-3% faster than 256 B
   // (fused_wgmma_n16_normal_p128 in docs/perf/h200x2_2026-11-22*/), and at
@@ -375,11 +378,19 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                                       static_cast<uint64_t>(params.vocab_rows),
                                       fused::kTileRows, promotion);
   if (error != cudaSuccess) return error;
-  error = EncodeTensorMap(&map_h, params.hidden, params.dtype,
-                          static_cast<uint64_t>(params.hidden_size),
-                          static_cast<uint64_t>(params.batch),
-                          static_cast<uint32_t>(block_n));
+  const auto encode_h = [&](CUtensorMap* map, int box_rows) {
+    return EncodeTensorMap(map, params.hidden, params.dtype,
+                           static_cast<uint64_t>(params.hidden_size),
+                           static_cast<uint64_t>(params.batch),
+                           static_cast<uint32_t>(box_rows));
+  };
+  error = encode_h(&maps_h[0], block_n);
   if (error != cudaSuccess) return error;
+  maps_h[1] = maps_h[0];
+  if (block_n == 128) {
+    error = encode_h(&maps_h[1], block_n / 2);
+    if (error != cudaSuccess) return error;
+  }
   int stage_k = params.w_stage_k != 0
                     ? params.w_stage_k
                     : DefaultWgmmaStageK(block_n, params.batch);
@@ -388,9 +399,9 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   if (params.hidden_size % 128 != 0) stage_k = 64;
   return params.dtype == KernelDType::kBf16
              ? LaunchWgmmaFor<DTypeTag::kBf16>(block_n, stage_k, args, map_w,
-                                               map_h, stream)
+                                               maps_h, stream)
              : LaunchWgmmaFor<DTypeTag::kFp16>(block_n, stage_k, args, map_w,
-                                               map_h, stream);
+                                               maps_h, stream);
 }
 
 }  // namespace flashsampler

@@ -60,6 +60,8 @@ constexpr int kMaxInKernelReduceSamples = kMaxFusedInKernelSamples;
 enum class DTypeTag { kBf16, kFp16 };
 template <DTypeTag kDType, int kBlockN>
 cudaError_t LaunchMma(const FusedArgs& args, cudaStream_t stream);
+// tensor_map_h: two CUtensorMaps of H, kBlockN-row and kBlockN / 2-row
+// boxes.
 template <DTypeTag kDType, int kBlockN, int kHalves>
 cudaError_t LaunchWgmma(const FusedArgs& args, const void* tensor_map_w,
                         const void* tensor_map_h, int grid,

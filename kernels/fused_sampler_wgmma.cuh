@@ -222,6 +222,7 @@ template <typename T, int kBlockN, int kStages, int kHalves>
 __global__ void __launch_bounds__(384, 1)
     FusedWgmmaKernel(const __grid_constant__ CUtensorMap tensor_map_w,
                      const __grid_constant__ CUtensorMap tensor_map_h,
+                     const __grid_constant__ CUtensorMap tensor_map_h_half,
                      FusedArgs args) {
 #if FS_SM90A_ENABLED
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
@@ -285,6 +286,7 @@ __global__ void __launch_bounds__(384, 1)
   if (threadIdx.x == 32) {
     ptx::PrefetchTensorMap(&tensor_map_w);
     ptx::PrefetchTensorMap(&tensor_map_h);
+    ptx::PrefetchTensorMap(&tensor_map_h_half);
   }
   __syncthreads();
 
@@ -295,21 +297,29 @@ __global__ void __launch_bounds__(384, 1)
     // contents released it; the first use waits on the "previous phase"
     // parity, which passes at once.
     if (threadIdx.x == 0) {
-      constexpr uint32_t kHalfTx = Config::kHalfBytesA + Config::kHalfBytesB;
       uint32_t seq = 0;
       const int pieces = schedule.PiecesOf(blockIdx.x);
       for (int j = 0; j < pieces; ++j) {
         const WorkPiece piece = schedule.PieceAt(j, blockIdx.x, gridDim.x);
         const int32_t row0 = static_cast<int32_t>(piece.tile * kTileRows);
-        // A half piece loads the same kBlockN-row box of H from its first
-        // column; the wgmma reads the first half.
+        // A half piece loads a kBlockN / 2-row box of H (the second map)
+        // into the start of the stage's H buffer, where its narrower wgmma
+        // reads: the split round's pieces are bound by their loads, and a
+        // whole kBlockN-row box made them 0.73 of a whole piece's time
+        // instead of about half (timelines of llama B = 256, session 9).
+        const bool half = WorkSchedule<kBlockN>::kCanSplit && piece.half;
+        const CUtensorMap* map_h = half ? &tensor_map_h_half : &tensor_map_h;
+        const uint32_t stage_tx =
+            (Config::kHalfBytesA +
+             (half ? Config::kHalfBytesB / 2 : Config::kHalfBytesB)) *
+            kHalves;
         const int32_t col0 = piece.col0;
         for (int step = 0; step < num_steps; ++step, ++seq) {
           const uint32_t stage = seq % kStages;
           ptx::MbarrierWait(ptx::SmemAddr(&empty_bar[stage]),
                             ((seq / kStages) & 1) ^ 1);
           const uint32_t full = ptx::SmemAddr(&full_bar[stage]);
-          ptx::MbarrierArriveExpectTx(full, kHalfTx * kHalves);
+          ptx::MbarrierArriveExpectTx(full, stage_tx);
 #pragma unroll
           for (int h = 0; h < kHalves; ++h) {
             const int k0 = (step * kHalves + h) * kBlockK;
@@ -318,7 +328,7 @@ __global__ void __launch_bounds__(384, 1)
                            &tensor_map_w, k0, row0, full, args.w_cache_hint);
             ptx::TmaLoad2d(ptx::SmemAddr(smem_b + stage * Config::kStageBytesB +
                                          h * Config::kHalfBytesB),
-                           &tensor_map_h, k0, col0, full, ptx::kL2EvictLast);
+                           map_h, k0, col0, full, ptx::kL2EvictLast);
           }
         }
       }
@@ -498,6 +508,8 @@ __global__ void __launch_bounds__(384, 1)
 #endif  // FS_SM90A_ENABLED
 }
 
+// tensor_map_h points at two maps of H: kBlockN-row boxes, then
+// kBlockN / 2-row boxes (the split last round's half pieces).
 template <typename T, int kBlockN, int kStages, int kHalves>
 cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
                               const void* tensor_map_h, int grid,
@@ -513,7 +525,8 @@ cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
   const int ctas = static_cast<int>(items < grid ? items : grid);
   kernel<<<ctas, Config::kThreads, Config::kSmemBytes, stream>>>(
       *static_cast<const CUtensorMap*>(tensor_map_w),
-      *static_cast<const CUtensorMap*>(tensor_map_h), args);
+      static_cast<const CUtensorMap*>(tensor_map_h)[0],
+      static_cast<const CUtensorMap*>(tensor_map_h)[1], args);
   return cudaGetLastError();
 }
 

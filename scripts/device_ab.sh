@@ -71,7 +71,10 @@ for i, b in enumerate(binaries, 1):
     print(f"b{i} = {b}")
 if all_rows:
     with open(table, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(all_rows[0]))
+        # Builds of different trees may write different columns: the union,
+        # empty where a build has none.
+        fields = list(dict.fromkeys(k for row in all_rows for k in row))
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(all_rows)
 PY
