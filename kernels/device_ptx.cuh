@@ -165,6 +165,71 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map,
 #endif
 }
 
+// ---- sm_90a: thread-block clusters -------------------------------------
+
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t ClusterCtaRank() {
+  uint32_t rank = 0;
+#if FS_SM90A_ENABLED
+  // Not volatile: the rank is constant, so repeated reads may be merged.
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+#endif
+  return rank;
+}
+
+// Every thread of every CTA of the cluster; orders shared-memory writes
+// (barrier initialisation) before the peers' accesses after the wait.
+__device__ __forceinline__ void ClusterSync() {
+#if FS_SM90A_ENABLED
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// Arrives `count` times at once (the count form of mbarrier.arrive).
+__device__ __forceinline__ void MbarrierArriveCount(uint32_t bar,
+                                                    uint32_t count) {
+#if FS_SM90A_ENABLED
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+               "r"(count)
+               : "memory");
+#endif
+}
+
+// Arrives on the mbarrier at the same shared-memory offset as `bar` in the
+// cluster's CTA `rank` (CUTLASS's ClusterBarrier::arrive(cta_id): the
+// default .release.cta semantics; attempt 13 measured .release.cluster
+// twice as slow).
+__device__ __forceinline__ void MbarrierArriveRemote(uint32_t bar,
+                                                     uint32_t rank) {
+#if FS_SM90A_ENABLED
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+#endif
+}
+
+// TmaLoad2d into the same shared-memory offset of every CTA in `cta_mask`,
+// completing the bytes on the mbarrier at `bar`'s offset in each of them.
+__device__ __forceinline__ void TmaLoad2dMulticast(
+    uint32_t dst, const CUtensorMap* map, int32_t c0, int32_t c1, uint32_t bar,
+    uint16_t cta_mask, uint64_t cache_hint) {
+#if FS_SM90A_ENABLED
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::"
+      "bytes.multicast::cluster.L2::cache_hint [%0], [%1, {%2, %3}], [%4], "
+      "%5, %6;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar),
+      "h"(cta_mask), "l"(cache_hint)
+      : "memory");
+#endif
+}
+
 __device__ __forceinline__ void WgmmaFence() {
 #if FS_SM90A_ENABLED
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

@@ -320,6 +320,7 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   args.shard_winners = params.shard_winners;
   args.split_last_round = params.split_last_round;
   args.share_last_epilogue = params.share_last_epilogue;
+  args.multicast_h = params.multicast_h;
   args.timeline = params.timeline;
   args.timeline_pieces = params.timeline_pieces;
   // W streams through L2 once, unless a second batch tile re-reads it.

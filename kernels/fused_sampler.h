@@ -102,6 +102,11 @@ struct FusedSampleParams {
   // consumer warpgroups (its owner stages half of its accumulators in shared
   // memory). Off only for the benchmark's comparison; same bits either way.
   bool share_last_epilogue = true;
+  // wgmma path, block_n 128 with one batch tile (B = 65..128): pairs of
+  // CTAs (2-CTA clusters) load H once for both by TMA multicast, where the
+  // GPU can hold the persistent grid's pairs at once. Off only for the
+  // benchmark's comparison; same bits either way.
+  bool multicast_h = true;
   // Optional, for profiling (fs_bench --timeline): the wgmma path records,
   // per (CTA, consumer warpgroup, piece), the %globaltimer nanoseconds at
   // which the piece's wgmmas start (after the hand-off), end, and its

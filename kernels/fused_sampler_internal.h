@@ -47,6 +47,7 @@ struct FusedArgs {
   uint64_t w_cache_hint;     // TMA L2 hint for W (wgmma path)
   bool split_last_round;     // wgmma path (FusedSampleParams)
   bool share_last_epilogue;  // wgmma path (FusedSampleParams)
+  bool multicast_h;          // wgmma path (FusedSampleParams)
   uint64_t* timeline;        // wgmma path (FusedSampleParams), or null
   int timeline_pieces;
 };

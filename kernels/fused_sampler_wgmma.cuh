@@ -22,6 +22,11 @@
 // are cut into two 64-wide halves on twice as many CTAs, so that the round
 // costs half an item per SM instead of a whole one.
 //
+// With one 128-wide batch tile (B = 65..128) every CTA multiplies the same
+// H, and the CTAs run as 2-CTA clusters that load it once per pair (TMA
+// multicast, kClusterCtas = 2): 3% faster at qwen B = 128
+// (docs/perf/fused_kernel_attempts.md, attempt 50).
+//
 // The k-steps of D are issued in order into one fp32 accumulator per logit
 // whatever the wgmma's N is, so a row's logits do not depend on the batch
 // or on the schedule (DESIGN.md rule 2). Rows past the shard or the batch
@@ -33,6 +38,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/device_ptx.cuh"
@@ -151,11 +157,31 @@ constexpr int kRingDrainedBarrier = 6;
 // acc0, 64-127 into acc1), one k-block kept in flight; each stage goes back
 // to the producer once its wgmmas are done. On the last stage it lets the
 // other consumer start the CTA's next piece (hand_off).
-template <typename T, int kN, typename Config, int kStages, int kHalves>
+template <typename T, int kN, typename Config, int kStages, int kHalves,
+          int kClusterCtas>
 __device__ __forceinline__ void MultiplyPiece(
     float (&acc0)[kN / 2], float (&acc1)[kN / 2], uint32_t smem_a_base,
     uint32_t smem_b_base, uint32_t full_bar_base, uint32_t empty_bar_base,
-    int num_steps, uint32_t seq0, int hand_off_barrier, int lane) {
+    int num_steps, uint32_t seq0, int hand_off_barrier, int lane,
+    bool shared_h) {
+  // A consumed stage goes back to this CTA's producer and, when the piece's
+  // H is multicast, to the peer's, whose next load of that stage writes its
+  // half of H here. The empty barriers count two arrivals per consumer warp
+  // either way (a stage of this CTA's own loads arrives twice here).
+  const auto release = [empty_bar_base, lane, shared_h](uint32_t stage) {
+    if (lane != 0) return;
+    if constexpr (kClusterCtas == 2) {
+      if (shared_h) {
+        ptx::MbarrierArrive(empty_bar_base + 8 * stage);
+        ptx::MbarrierArriveRemote(empty_bar_base + 8 * stage,
+                                  ptx::ClusterCtaRank() ^ 1u);
+      } else {
+        ptx::MbarrierArriveCount(empty_bar_base + 8 * stage, 2);
+      }
+    } else {
+      ptx::MbarrierArrive(empty_bar_base + 8 * stage);
+    }
+  };
   FenceAccumulators(acc0);
   FenceAccumulators(acc1);
   // Ring position of the first stage; advanced incrementally (a run-time
@@ -194,9 +220,7 @@ __device__ __forceinline__ void MultiplyPiece(
     ptx::WgmmaWait<1>();
     FenceAccumulators(acc0);
     FenceAccumulators(acc1);
-    if (step > 0 && lane == 0) {
-      ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
-    }
+    if (step > 0) release(previous_stage);
     previous_stage = stage;
     if (++stage == kStages) {
       stage = 0;
@@ -206,7 +230,7 @@ __device__ __forceinline__ void MultiplyPiece(
   ptx::WgmmaWait<0>();
   FenceAccumulators(acc0);
   FenceAccumulators(acc1);
-  if (lane == 0) ptx::MbarrierArrive(empty_bar_base + 8 * previous_stage);
+  release(previous_stage);
 }
 
 // The first kCount floats of an accumulator array, as an array (the narrow
@@ -218,7 +242,14 @@ __device__ __forceinline__ float (
   return *reinterpret_cast<float(*)[kCount]>(&acc[0]);
 }
 
-template <typename T, int kBlockN, int kStages, int kHalves>
+// kClusterCtas 2: H multicast over CTA pairs (2-CTA clusters), for one
+// batch tile of kBlockN = 128 columns. Every CTA then multiplies the same H
+// with its own W tiles, so each of a pair loads 64 of H's 128 rows of every
+// stage into both CTAs' ring, and H leaves L2 once per pair instead of
+// twice. Pieces the two do not share (the split round's halves, whose
+// columns differ; a last piece without one on the peer) load their own H.
+// A stage is refilled once both CTAs' consumers released it.
+template <typename T, int kBlockN, int kStages, int kHalves, int kClusterCtas>
 __global__ void __launch_bounds__(384, 1)
     FusedWgmmaKernel(const __grid_constant__ CUtensorMap tensor_map_w,
                      const __grid_constant__ CUtensorMap tensor_map_h,
@@ -227,6 +258,9 @@ __global__ void __launch_bounds__(384, 1)
 #if FS_SM90A_ENABLED
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
   constexpr int kHalf = kBlockN / 2;  // accumulators per m64 wgmma
+  constexpr bool kMulticastH = kClusterCtas == 2;
+  static_assert(kClusterCtas == 1 || (kClusterCtas == 2 && kBlockN == 128),
+                "H multicast: pairs of 128-column tiles");
   // The CTA's last piece ends on an epilogue that no other consumer's
   // wgmmas hide (~15 us at B = 256: docs/perf/fused_kernel_attempts.md,
   // attempt 20). Its owner stages the accumulators of the piece's second
@@ -275,11 +309,23 @@ __global__ void __launch_bounds__(384, 1)
   const int batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
   const WorkSchedule<kBlockN> schedule(vocab_tiles * batch_tiles, batch_tiles,
                                        gridDim.x, args.split_last_round);
+  // Pieces j < shared_pieces (all whole, one batch tile) multicast H; both
+  // CTAs of a pair compute the same count.
+  int shared_pieces = 0;
+  if constexpr (kMulticastH) {
+    const int mine = schedule.PiecesOf(blockIdx.x);
+    const int peer = schedule.PiecesOf(blockIdx.x ^ 1);
+    shared_pieces = min(mine, peer);
+    if (schedule.split_tail && shared_pieces > schedule.full_rounds) {
+      shared_pieces = schedule.full_rounds;
+    }
+  }
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::MbarrierInit(ptx::SmemAddr(&full_bar[s]), 1);
-      ptx::MbarrierInit(ptx::SmemAddr(&empty_bar[s]), 4);  // one warpgroup
+      // Two arrivals per consumer warp (MultiplyPiece's release).
+      ptx::MbarrierInit(ptx::SmemAddr(&empty_bar[s]), 4 * kClusterCtas);
     }
     ptx::FenceBarrierInit();
   }
@@ -288,7 +334,12 @@ __global__ void __launch_bounds__(384, 1)
     ptx::PrefetchTensorMap(&tensor_map_h);
     ptx::PrefetchTensorMap(&tensor_map_h_half);
   }
-  __syncthreads();
+  if constexpr (kMulticastH) {
+    // The peer multicasts into this CTA's ring and arrives on its barriers.
+    ptx::ClusterSync();
+  } else {
+    __syncthreads();
+  }
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -308,7 +359,13 @@ __global__ void __launch_bounds__(384, 1)
         // whole kBlockN-row box made them 0.73 of a whole piece's time
         // instead of about half (timelines of llama B = 256, session 9).
         const bool half = WorkSchedule<kBlockN>::kCanSplit && piece.half;
-        const CUtensorMap* map_h = half ? &tensor_map_h_half : &tensor_map_h;
+        const bool shared_h = kMulticastH && j < shared_pieces;
+        const CUtensorMap* map_h =
+            half || shared_h ? &tensor_map_h_half : &tensor_map_h;
+        // Multicast: this CTA's 64 rows of H at their place in both CTAs'
+        // stage (the 128-byte swizzle repeats every 8 rows, so two 64-row
+        // boxes lay out as one 128-row box).
+        const uint32_t h_part = shared_h ? ptx::ClusterCtaRank() : 0;
         const uint32_t stage_tx =
             (Config::kHalfBytesA +
              (half ? Config::kHalfBytesB / 2 : Config::kHalfBytesB)) *
@@ -326,10 +383,29 @@ __global__ void __launch_bounds__(384, 1)
             ptx::TmaLoad2d(ptx::SmemAddr(smem_a + stage * Config::kStageBytesA +
                                          h * Config::kHalfBytesA),
                            &tensor_map_w, k0, row0, full, args.w_cache_hint);
-            ptx::TmaLoad2d(ptx::SmemAddr(smem_b + stage * Config::kStageBytesB +
-                                         h * Config::kHalfBytesB),
-                           map_h, k0, col0, full, ptx::kL2EvictLast);
+            const uint32_t dst_h =
+                ptx::SmemAddr(smem_b + stage * Config::kStageBytesB +
+                              h * Config::kHalfBytesB) +
+                h_part * (Config::kHalfBytesB / 2);
+            if (shared_h) {
+              ptx::TmaLoad2dMulticast(
+                  dst_h, map_h, k0,
+                  col0 + static_cast<int32_t>(h_part) * (kBlockN / 2), full,
+                  0x3, ptx::kL2EvictLast);
+            } else {
+              ptx::TmaLoad2d(dst_h, map_h, k0, col0, full, ptx::kL2EvictLast);
+            }
           }
+        }
+      }
+      if constexpr (kMulticastH) {
+        // Stay until both CTAs' consumers have released every stage's last
+        // use (the waits a next round of loads would make): then the peer
+        // has made all its arrivals on this CTA's barriers, and the CTA may
+        // exit.
+        for (uint32_t end = seq + kStages; seq < end; ++seq) {
+          ptx::MbarrierWait(ptx::SmemAddr(&empty_bar[seq % kStages]),
+                            ((seq / kStages) & 1) ^ 1);
         }
       }
     }
@@ -376,21 +452,23 @@ __global__ void __launch_bounds__(384, 1)
     if (timeline != nullptr) timeline[0] = ptx::GlobalTimerNs();
     const uint32_t seq0 = static_cast<uint32_t>(j) * num_steps;
     const int hand_off = j + 1 < pieces ? kHandoffBarrier + (1 - consumer) : -1;
+    const bool shared_h = kMulticastH && j < shared_pieces;
     if constexpr (WorkSchedule<kBlockN>::kCanSplit) {
       if (piece.half) {
-        MultiplyPiece<T, kBlockN / 2, Config, kStages, kHalves>(
+        MultiplyPiece<T, kBlockN / 2, Config, kStages, kHalves, kClusterCtas>(
             LeadingAccumulators<kHalf / 2>(acc0),
             LeadingAccumulators<kHalf / 2>(acc1), smem_a_base, smem_b_base,
-            full_bar_base, empty_bar_base, num_steps, seq0, hand_off, lane);
+            full_bar_base, empty_bar_base, num_steps, seq0, hand_off, lane,
+            shared_h);
       } else {
-        MultiplyPiece<T, kBlockN, Config, kStages, kHalves>(
+        MultiplyPiece<T, kBlockN, Config, kStages, kHalves, kClusterCtas>(
             acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
-            num_steps, seq0, hand_off, lane);
+            num_steps, seq0, hand_off, lane, shared_h);
       }
     } else {
-      MultiplyPiece<T, kBlockN, Config, kStages, kHalves>(
+      MultiplyPiece<T, kBlockN, Config, kStages, kHalves, kClusterCtas>(
           acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
-          num_steps, seq0, hand_off, lane);
+          num_steps, seq0, hand_off, lane, shared_h);
     }
     if (timeline != nullptr) timeline[1] = ptx::GlobalTimerNs();
     const bool share = kShareLastEpilogue && args.share_last_epilogue;
@@ -508,25 +586,83 @@ __global__ void __launch_bounds__(384, 1)
 #endif  // FS_SM90A_ENABLED
 }
 
+// cudaOccupancyMaxActiveClusters for `kernel` launched with `config`,
+// asked once per device (a kernel's shared memory and cluster shape are
+// fixed, and the answer depends on nothing else here).
+template <typename Kernel>
+cudaError_t MaxActiveClusters(Kernel kernel, const cudaLaunchConfig_t& config,
+                              int* clusters) {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cache[kCachedDevices];  // 0: not asked yet
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  if (device >= 0 && device < kCachedDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached != 0) {
+      *clusters = cached - 1;
+      return cudaSuccess;
+    }
+  }
+  error = cudaOccupancyMaxActiveClusters(clusters, kernel, &config);
+  if (error != cudaSuccess) return error;
+  if (device >= 0 && device < kCachedDevices) {
+    cache[device].store(*clusters + 1, std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
+
 // tensor_map_h points at two maps of H: kBlockN-row boxes, then
-// kBlockN / 2-row boxes (the split last round's half pieces).
+// kBlockN / 2-row boxes (the split last round's half pieces, and each CTA's
+// share of a multicast).
 template <typename T, int kBlockN, int kStages, int kHalves>
 cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
                               const void* tensor_map_h, int grid,
                               cudaStream_t stream) {
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
-  auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves>;
+  const int64_t tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
+  const int64_t batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
+  const int64_t items = tiles * batch_tiles;
+  const int ctas = static_cast<int>(items < grid ? items : grid);
+  const CUtensorMap* maps_h = static_cast<const CUtensorMap*>(tensor_map_h);
+  const CUtensorMap& map_w = *static_cast<const CUtensorMap*>(tensor_map_w);
+  if constexpr (kBlockN == 128) {
+    if (args.multicast_h && batch_tiles == 1 && ctas % 2 == 0) {
+      auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, 2>;
+      cudaError_t error = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          static_cast<int>(Config::kSmemBytes));
+      if (error != cudaSuccess) return error;
+      cudaLaunchAttribute cluster;
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 2;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(static_cast<unsigned>(ctas));
+      config.blockDim = dim3(Config::kThreads);
+      config.dynamicSmemBytes = Config::kSmemBytes;
+      config.stream = stream;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      // The persistent grid needs every pair resident at once; where the
+      // GPCs cannot hold ctas / 2 pairs, the plain kernel runs instead.
+      int max_clusters = 0;
+      error = MaxActiveClusters(kernel, config, &max_clusters);
+      if (error != cudaSuccess) return error;
+      if (2 * max_clusters >= ctas) {
+        return cudaLaunchKernelEx(&config, kernel, map_w, maps_h[0], maps_h[1],
+                                  args);
+      }
+    }
+  }
+  auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, 1>;
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(Config::kSmemBytes));
   if (error != cudaSuccess) return error;
-  const int64_t tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
-  const int64_t items = tiles * ((args.batch + kBlockN - 1) / kBlockN);
-  const int ctas = static_cast<int>(items < grid ? items : grid);
   kernel<<<ctas, Config::kThreads, Config::kSmemBytes, stream>>>(
-      *static_cast<const CUtensorMap*>(tensor_map_w),
-      static_cast<const CUtensorMap*>(tensor_map_h)[0],
-      static_cast<const CUtensorMap*>(tensor_map_h)[1], args);
+      map_w, maps_h[0], maps_h[1], args);
   return cudaGetLastError();
 }
 

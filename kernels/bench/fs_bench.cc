@@ -264,6 +264,7 @@ struct Variant {
   int stage_k = 0;
   bool split_last_round = true;
   bool share_last_epilogue = true;
+  bool multicast_h = true;
 };
 
 const char* KernelName(FusedKernel kernel) {
@@ -451,6 +452,13 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       Variant alone{"fused_wgmma_noshare", FusedKernel::kWgmma, 0};
       alone.share_last_epilogue = false;
       variants.push_back(alone);
+      // The 128-wide tiles with each CTA loading its own H (no 2-CTA
+      // clusters; FusedSampleParams::multicast_h), where one batch tile
+      // would multicast it.
+      Variant own_h{"fused_wgmma_n128_nomulticast", FusedKernel::kWgmma, 128};
+      own_h.multicast_h = false;
+      own_h.max_batch = 128;
+      variants.push_back(own_h);
       // The wider tiles with W's L2 promotion at 128 B and none (256 B is
       // their default).
       for (int block_n : {64, 128}) {
@@ -490,7 +498,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     auto fused_run =
         [&](FusedKernel kernel, int block_n, bool in_kernel, bool greedy,
             L2Hint hint = L2Hint::kAuto, int promotion = 0, int stage_k = 0,
-            bool split_last_round = true, bool share_last_epilogue = true) {
+            bool split_last_round = true, bool share_last_epilogue = true,
+            bool multicast_h = true) {
           FusedSampleParams params;
           params.weights = weights;
           params.hidden = hidden_states;
@@ -514,6 +523,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
           params.w_stage_k = stage_k;
           params.split_last_round = split_last_round;
           params.share_last_epilogue = share_last_epilogue;
+          params.multicast_h = multicast_h;
           params.timeline = timeline_now;
           params.timeline_pieces = kTimelinePieces;
           cudaError_t error =
@@ -570,7 +580,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     auto launch_variant = [&](const Variant& variant) {
       return fused_run(variant.kernel, variant.block_n, true, false,
                        variant.hint, variant.promotion, variant.stage_k,
-                       variant.split_last_round, variant.share_last_epilogue);
+                       variant.split_last_round, variant.share_last_epilogue,
+                       variant.multicast_h);
     };
     auto time = [&](const std::string& name,
                     const std::function<cudaError_t()>& launch) {

@@ -57,6 +57,7 @@ struct LaunchSpec {
   int stage_k = 0;
   bool split_last_round = true;
   bool share_last_epilogue = true;
+  bool multicast_h = true;
   bool want_logits = false;
 };
 
@@ -111,6 +112,7 @@ struct LaunchOutput {
   params.w_stage_k = spec.stage_k;
   params.split_last_round = spec.split_last_round;
   params.share_last_epilogue = spec.share_last_epilogue;
+  params.multicast_h = spec.multicast_h;
   cudaError_t error = LaunchFusedSample(params, nullptr, 0, nullptr);
   if (error != cudaSuccess) {
     return ::testing::AssertionFailure()
@@ -438,7 +440,11 @@ TEST(FusedSamplerGpuTest, SanitizerSmallCase) {
 // a round: 3 or 6 items on a grid of SMs. Logits and tokens must be exact,
 // with the split and without it, and with the CTA's last piece scored by
 // both consumers (the default, in every other test too) and by its owner
-// alone. Small enough for compute-sanitizer.
+// alone. The same schedules cover H multicast over CTA pairs (one batch
+// tile, B <= 128): pieces shared by a pair, the split round's halves that
+// are not, a last piece whose peer has none (no split: 3 items), and at
+// B = 17 a second half of H wholly past the batch; with multicast off as
+// the control. Small enough for compute-sanitizer.
 TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
   FS_SKIP_WITHOUT_GPU();
   if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
@@ -472,13 +478,17 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
   struct Schedule {
     bool split;
     bool share;
+    bool multicast;
   };
-  for (int batch : {65, 128, 200, 256}) {
+  for (int batch : {17, 65, 128, 200, 256}) {
     for (Schedule schedule :
-         {Schedule{true, true}, Schedule{false, true}, Schedule{true, false}}) {
+         {Schedule{true, true, true}, Schedule{false, true, true},
+          Schedule{true, false, true}, Schedule{true, true, false},
+          Schedule{false, true, false}}) {
       SCOPED_TRACE(::testing::Message()
                    << "batch " << batch << " split " << schedule.split
-                   << " share " << schedule.share << " SMs " << sms);
+                   << " share " << schedule.share << " multicast "
+                   << schedule.multicast << " SMs " << sms);
       LaunchSpec spec;
       spec.batch = batch;
       spec.num_samples = kSamples;
@@ -487,6 +497,7 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
       spec.block_n = 128;
       spec.split_last_round = schedule.split;
       spec.share_last_epilogue = schedule.share;
+      spec.multicast_h = schedule.multicast;
       spec.want_logits = true;
       LaunchOutput out;
       ASSERT_TRUE(RunFused(problem, spec, &out));
