@@ -105,7 +105,7 @@ struct FusedSampleParams {
   // wgmma path, block_n 128 with one batch tile (B = 65..128): pairs of
   // CTAs (2-CTA clusters) load H once for both by TMA multicast, where the
   // GPU can hold the persistent grid's pairs at once. Off only for the
-  // benchmark's comparison; same bits either way.
+  // benchmark's and the tests' comparisons; same bits either way.
   bool multicast_h = true;
   // Optional, for profiling (fs_bench --timeline): the wgmma path records,
   // per (CTA, consumer warpgroup, piece), the %globaltimer nanoseconds at
