@@ -47,13 +47,17 @@ print("backend", info.backend, "tp", info.tp_degree, "V", info.vocab_size,
       [(s.vocab_begin, s.vocab_end) for s in info.shards])
 assert info.backend == "cuda"
 rng = np.random.default_rng(7)
-hidden = rng.standard_normal((64, info.hidden_size)).astype(np.float32)
-seeds = list(range(1000, 1064))
+# 100 rows: one 128-wide batch tile, the path whose CTA pairs share H
+# (TMA multicast) on this vocabulary.
+hidden = rng.standard_normal((100, info.hidden_size)).astype(np.float32)
+seeds = list(range(1000, 1100))
 first, _ = client.sample(hidden, seeds=seeds, temperature=1.0)
 again, _ = client.sample(hidden, seeds=seeds, temperature=1.0)
-alone, _ = client.sample(hidden[5:6], seeds=seeds[5:6], temperature=1.0)
 assert (first == again).all(), "same seeds gave different tokens"
-assert alone[0, 0] == first[5, 0], "row 5 alone differs from row 5 in a batch"
+for row in (5, 90):  # one row from each CTA's half of H
+    alone, _ = client.sample(hidden[row:row + 1], seeds=seeds[row:row + 1],
+                             temperature=1.0)
+    assert alone[0, 0] == first[row, 0], f"row {row} alone differs from row {row} in a batch"
 print("tokens[:8]", first[:8, 0].tolist())
 print("E2E OK")
 PY
