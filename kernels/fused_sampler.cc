@@ -8,6 +8,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <mutex>
@@ -124,12 +125,16 @@ cudaError_t EncodeTensorMap(
 // noise epilogue; qwen's TP8 shard at B = 128: 71 vs 86 us). On the full
 // vocabularies (7.6-9 tiles per SM) 128 was as fast (qwen) or 10% faster
 // (llama) in session 2's runs (docs/perf/fused_kernel_attempts.md, attempt
-// 19). B = 129..256: 64-wide tiles only where the 128-wide ones would give
-// each SM at most 2.5 items and D <= 4096, so that the last item's noise
-// epilogue weighs most (qwen's TP8 shard at B = 256: 102-105 vs 111-117 us
-// in three runs of 2026-11-22; V = 16896: 85-88 vs 91-97); at D = 8192
-// (llama's TP8 shard) and from 4 items per SM the 128-wide tile was faster
-// (attempt 21).
+// 19). B = 129..192 (three 64-wide batch tiles against two 128-wide ones):
+// 64-wide tiles at D >= 8192, 6-8% faster on llama's vocabulary and TP4
+// shard (with 128-deep stages: DefaultWgmmaStageK) and 24% on its TP8
+// shard, and at D <= 4096 where the 128-wide ones would give each SM at
+// most 2.5 items (qwen's TP8 shard: 82-84 against 96-117 us); qwen's full
+// vocabulary keeps 128 (64 was 15% slower at B = 136 and 160, 8% faster
+// at 192). B = 193..256: 128 everywhere, qwen's TP8 shard included (86 vs
+// 100 us at B = 256; the 64-wide tile had won there in session 4, before
+// the noise blocks and the rotated batch tiles). One H200, fs_bench --ab,
+// 2026-11-23 (docs/perf/fused_kernel_attempts.md, attempt 51).
 int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
                   int hidden_size, int multiprocessors) {
   if (batch <= 16) return 16;
@@ -142,10 +147,13 @@ int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
     return 3 * rounds_of_16 < 8 * rounds_of_64 ? 16 : 64;
   }
   if (batch <= 64 || path == FusedKernel::kMmaSync) return 64;
-  if (batch <= 128 && tiles <= 5 * sms) return 64;
-  const int64_t items_of_128 = tiles * ((batch + 127) / 128);
-  if (hidden_size <= 4096 && 2 * items_of_128 <= 5 * sms) {
-    return 64;
+  if (batch <= 128) return tiles <= 5 * sms ? 64 : 128;
+  if (batch <= 192) {
+    const int64_t items_of_128 = tiles * 2;
+    if (hidden_size >= 8192 ||
+        (hidden_size <= 4096 && 2 * items_of_128 <= 5 * sms)) {
+      return 64;
+    }
   }
   return 128;
 }
@@ -162,9 +170,13 @@ int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
 // B = 1 and 16 (within the small pairs' spread; 128-deep stages had won
 // the sweeps of 04:55 UTC by 1-2.6%) and 3-4% faster at B = 64 on qwen's
 // TP8 shard, where DefaultBlockN now takes 16-wide tiles. Same k order for
-// every choice: same bits.
-int DefaultWgmmaStageK(int block_n, int batch) {
-  return block_n == 16 && batch <= 32 ? 128 : kDefaultWgmmaStageK;
+// every choice: same bits. The 64-wide tiles at B = 129..192 and D >= 8192
+// (DefaultBlockN) take 128-deep stages: 15-21% faster than 64-deep ones
+// on llama's vocabulary and TP4 shard (attempt 51).
+int DefaultWgmmaStageK(int block_n, int batch, int hidden_size) {
+  if (block_n == 16 && batch <= 32) return 128;
+  if (block_n == 64 && batch > 128 && hidden_size >= 8192) return 128;
+  return kDefaultWgmmaStageK;
 }
 
 // Bytes of this shard's W (bf16 and fp16 alike: 2 per element).
@@ -284,6 +296,8 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
       !Aligned16(params.weights) || !Aligned16(params.hidden) ||
       params.hidden_size <= 0 || params.hidden_size % fused::kBlockK != 0 ||
       params.batch < 1 || params.batch > kMaxFusedBatch ||
+      (params.hidden_capacity_rows != 0 &&
+       params.hidden_capacity_rows < params.batch) ||
       params.num_samples < 1 || params.vocab_rows < 1 ||
       params.vocab_offset < 0 ||
       params.vocab_offset + params.vocab_rows > int64_t{INT32_MAX} ||
@@ -379,10 +393,19 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                                       static_cast<uint64_t>(params.vocab_rows),
                                       fused::kTileRows, promotion);
   if (error != cudaSuccess) return error;
+  // H's rows as TMA sees them: the batch rounded up to the tile width where
+  // the caller's buffer has those rows (FusedSampleParams::
+  // hidden_capacity_rows), so that no box crosses the tensor's end; the
+  // epilogue ignores the columns past the batch either way.
+  const int64_t padded_batch =
+      (static_cast<int64_t>(params.batch) + block_n - 1) / block_n * block_n;
+  const int64_t h_rows = std::max<int64_t>(
+      params.batch,
+      std::min<int64_t>(params.hidden_capacity_rows, padded_batch));
   const auto encode_h = [&](CUtensorMap* map, int box_rows) {
     return EncodeTensorMap(map, params.hidden, params.dtype,
                            static_cast<uint64_t>(params.hidden_size),
-                           static_cast<uint64_t>(params.batch),
+                           static_cast<uint64_t>(h_rows),
                            static_cast<uint32_t>(box_rows));
   };
   error = encode_h(&maps_h[0], block_n);
@@ -392,9 +415,10 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
     error = encode_h(&maps_h[1], block_n / 2);
     if (error != cudaSuccess) return error;
   }
-  int stage_k = params.w_stage_k != 0
-                    ? params.w_stage_k
-                    : DefaultWgmmaStageK(block_n, params.batch);
+  int stage_k =
+      params.w_stage_k != 0
+          ? params.w_stage_k
+          : DefaultWgmmaStageK(block_n, params.batch, params.hidden_size);
   if (stage_k != 64 && stage_k != 128) return cudaErrorNotSupported;
   // 128-deep stages need whole stages; the same k order either way.
   if (params.hidden_size % 128 != 0) stage_k = 64;

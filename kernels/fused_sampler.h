@@ -34,6 +34,16 @@ enum class L2Hint { kAuto, kEvictFirst, kEvictNormal };
 struct FusedSampleParams {
   const void* weights = nullptr;  // [vocab_rows, hidden] row-major, dtype
   const void* hidden = nullptr;   // [batch, hidden] row-major, dtype
+  // Rows of `hidden` the kernel may read: 0 (the batch) or >= batch. Rows
+  // past the batch enter the tensor-core tiles but no result (a batch
+  // column's logits use its own row of H alone), so any values do. The
+  // wgmma path then declares H to TMA as the batch rounded up to the tile
+  // width (within these rows), so that no H box crosses the tensor's end:
+  // on H200 such boxes cost ~2.5 us per missing row per launch (qwen at
+  // B = 136: 847 against 548 us at B = 256; docs/perf/
+  // fused_kernel_attempts.md, attempt 51). The CUDA engine passes its
+  // staging buffer's rows.
+  int hidden_capacity_rows = 0;
   KernelDType dtype = KernelDType::kBf16;
   int64_t vocab_rows = 0;    // rows of `weights` (this shard)
   int64_t vocab_offset = 0;  // global token id of weights row 0

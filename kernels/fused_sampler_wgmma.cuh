@@ -97,29 +97,45 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
 // (qwen's TP8 shard at B = 128: 85 instead of 100 us; docs/perf/
 // fused_kernel_attempts.md, attempt 18). Producer and consumers walk the
 // same sequence of pieces.
+//
+// Where the grid is a multiple of the batch tiles, a vocab tile's items
+// share a round, on neighbouring CTAs that read its W once from DRAM and
+// then from L2. With a partial last batch tile (B = 136: 128 + 8 columns)
+// their batch tiles rotate by one per round, so that no CTA draws the
+// partial tile all launch long: such CTAs scored almost nothing, ran ahead
+// of their neighbours, and read W from DRAM again by the time the
+// neighbours reached it (qwen B = 136: 666 us sampled against 549 all
+// greedy; docs/perf/fused_kernel_attempts.md, attempt 51). Equal batch
+// tiles keep the schedule they had.
 struct WorkPiece {
   int64_t tile;  // vocab tile
   int col0;      // first batch column
   bool half;     // kBlockN / 2 columns instead of kBlockN
 };
 
-template <int kBlockN>
+// kRotate: rotate the batch tiles where they differ (above); off in the
+// 2-CTA cluster kernel, which only runs one batch tile (and where the check
+// cost ptxas a spill).
+template <int kBlockN, bool kRotate = true>
 struct WorkSchedule {
   static constexpr bool kCanSplit = kBlockN == 128;
   int batch_tiles;
   int full_rounds;
   int tail_items;  // items of the last, partial round
   bool split_tail;
+  bool rotate;  // the batch tiles rotate per round (above)
 
   // Counts fit 32 bits: the dispatcher caps vocab tiles at 65535 and the
   // batch at kMaxFusedBatch.
   __device__ WorkSchedule(int num_items, int batches, int grid,
-                          bool allow_split)
+                          bool allow_split, int batch)
       : batch_tiles(batches),
         full_rounds(num_items / grid),
         tail_items(num_items % grid),
         split_tail(kCanSplit && allow_split && tail_items > 0 &&
-                   2 * tail_items <= grid) {}
+                   2 * tail_items <= grid),
+        rotate(kRotate && batches > 1 && batch % kBlockN != 0 &&
+               grid % batches == 0) {}
 
   __device__ int PiecesOf(int cta) const {
     const int tail_pieces = split_tail ? 2 * tail_items : tail_items;
@@ -136,8 +152,15 @@ struct WorkSchedule {
         piece.half ? static_cast<int64_t>(full_rounds) * grid + cta / 2
                    : cta + static_cast<int64_t>(j) * grid;
     piece.tile = item / batch_tiles;
-    piece.col0 = static_cast<int>(item % batch_tiles) * kBlockN +
-                 (piece.half ? (cta % 2) * (kBlockN / 2) : 0);
+    int batch_tile = static_cast<int>(item % batch_tiles);
+    // The round's items of one vocab tile are batch_tiles consecutive CTAs
+    // (the grid is a multiple of batch_tiles), so rotating within them
+    // keeps every item exactly once.
+    if (rotate && !piece.half) {
+      batch_tile = (batch_tile + j) % batch_tiles;
+    }
+    piece.col0 =
+        batch_tile * kBlockN + (piece.half ? (cta % 2) * (kBlockN / 2) : 0);
     return piece;
   }
 };
@@ -307,8 +330,9 @@ __global__ void __launch_bounds__(384, 1)
   const int vocab_tiles =
       static_cast<int>((args.vocab_rows + kTileRows - 1) / kTileRows);
   const int batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
-  const WorkSchedule<kBlockN> schedule(vocab_tiles * batch_tiles, batch_tiles,
-                                       gridDim.x, args.split_last_round);
+  const WorkSchedule<kBlockN, kClusterCtas == 1> schedule(
+      vocab_tiles * batch_tiles, batch_tiles, gridDim.x, args.split_last_round,
+      args.batch);
   // Pieces j < shared_pieces (all whole, one batch tile) multicast H; both
   // CTAs of a pair compute the same count.
   int shared_pieces = 0;

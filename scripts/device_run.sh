@@ -10,7 +10,9 @@
 # The bench also times the fused / cuBLAS pair at B = 128 and 256 again with
 # 1000 calls per method (results_steady.csv; FS_BENCH_STEADY=0 skips it):
 # there every method runs at the GPU's power cap, and a 100-call median moves
-# with its place in the run (docs/perf/README.md, Method).
+# with its place in the run (docs/perf/README.md, Method). Then batches
+# between the powers of two, without the sweep (results_between.csv;
+# FS_BENCH_BETWEEN=0 skips it).
 set -uo pipefail
 if (($# < 1)); then
   echo "usage: $0 <outdir> [tests|bench|all]" >&2
@@ -107,6 +109,19 @@ if [[ $mode == bench || $mode == all ]]; then
       cp "$steady/results.csv" "$out/results_steady.csv"
     fi
   fi
+  if [[ ${FS_BENCH_BETWEEN:-1} != 0 ]]; then
+    # Issue 4's batches are powers of two; a decode step's batch is any
+    # size, and partial batch tiles once cost 2.5x cuBLAS there
+    # (docs/perf/fused_kernel_attempts.md, attempt 51).
+    say "== fs_bench, batches between the powers of two"
+    between=$(mktemp -d)
+    timeout "${FS_BENCH_TIMEOUT:-300}" "$bundle/bin/fs_bench" --out "$between" \
+      --batches 3,24,40,100,136,160,192,224 --no-sweep 2>&1 | tee -a "$log"
+    summary+=("$(printf '%-28s rc=%s' "fs_bench between" "${PIPESTATUS[0]}")")
+    if [[ -f $between/results.csv ]]; then
+      cp "$between/results.csv" "$out/results_between.csv"
+    fi
+  fi
 fi
 
 {
@@ -123,5 +138,11 @@ fi
     echo "steady state (1000 calls per method)"
     echo "config    B  fused_us  cublas_us  fused/cublas  cublas_first  interleaved"
     awk -F, 'NR > 1 { printf "%-7s %4d %9.1f %10.1f %13.3f %13.3f %12.3f\n", $1, $4, $6, $7, $10, $18, $17 }' "$out/results_steady.csv"
+  fi
+  if [[ -f $out/results_between.csv ]]; then
+    echo
+    echo "batches between the powers of two (100 calls per method)"
+    echo "config    B  fused_us  cublas_us  fused/cublas  cublas_first  interleaved"
+    awk -F, 'NR > 1 { printf "%-7s %4d %9.1f %10.1f %13.3f %13.3f %12.3f\n", $1, $4, $6, $7, $10, $18, $17 }' "$out/results_between.csv"
   fi
 } | tee -a "$log"

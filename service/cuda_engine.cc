@@ -40,6 +40,14 @@ constexpr int kSamplesPerLaunchAtFullBatch = 4;
 // tiles whole and Philox groups (4 tokens) aligned.
 constexpr int64_t kShardGranularity = 128;
 
+// Rows of hidden-state staging past max_batch_rows, so that a launch's H
+// is readable up to its batch rounded up to the widest tile (128 rows):
+// the kernel then never loads a box of H that crosses the tensor's end,
+// which cost up to 60% of a launch between B = 129 and 255
+// (FusedSampleParams::hidden_capacity_rows). Their contents are never
+// used.
+constexpr int kHiddenPadRows = 128;
+
 size_t AlignUp(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
@@ -133,8 +141,9 @@ class CudaEngine final : public Engine {
   KernelDType dtype_ = KernelDType::kBf16;
   size_t element_bytes_ = 2;
   size_t params_bytes_ = 0;  // row params region, 256-byte aligned
-  size_t input_bytes_ = 0;   // params region + max_batch_rows x D
-  TpLayout layout_;          // the shards as the candidate exchange sees them
+  // params region + (max_batch_rows + kHiddenPadRows) x D
+  size_t input_bytes_ = 0;
+  TpLayout layout_;  // the shards as the candidate exchange sees them
   int64_t capacity_pairs_ = 0;
   size_t workspace_bytes_ = 0;
   std::atomic<bool> broken_{false};
@@ -318,8 +327,9 @@ absl::Status CudaEngine::Init() {
   // copies on every rank, and rank 0's candidate and token buffers.
   params_bytes_ =
       AlignUp(steps_offset() + sizeof(uint64_t) * options_.max_batch_rows, 256);
-  input_bytes_ = params_bytes_ + static_cast<size_t>(options_.max_batch_rows) *
-                                     hidden * element_bytes_;
+  input_bytes_ = params_bytes_ +
+                 static_cast<size_t>(options_.max_batch_rows + kHiddenPadRows) *
+                     hidden * element_bytes_;
   capacity_pairs_ = static_cast<int64_t>(options_.max_batch_rows) *
                     kSamplesPerLaunchAtFullBatch;
   workspace_bytes_ = FusedSampleWorkspaceSize(options_.max_batch_rows, vocab,
@@ -450,6 +460,8 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
     params.vocab_offset = rank.begin;
     params.hidden_size = static_cast<int>(info_.hidden_size);
     params.batch = rows;
+    params.hidden_capacity_rows =
+        options_.max_batch_rows + kHiddenPadRows - first_row;
     params.num_samples = num_samples;
     params.inv_temperature = reinterpret_cast<const float*>(input) + first_row;
     params.seeds =

@@ -265,6 +265,9 @@ struct Variant {
   bool split_last_round = true;
   bool share_last_epilogue = true;
   bool multicast_h = true;
+  // H declared to TMA as exactly the batch's rows, as before attempt 51
+  // (FusedSampleParams::hidden_capacity_rows 0), instead of the padded rows.
+  bool exact_h_rows = false;
 };
 
 const char* KernelName(FusedKernel kernel) {
@@ -329,6 +332,10 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   const int hidden = config.hidden;
   const int max_batch =
       *std::max_element(options.batches.begin(), options.batches.end());
+  // H has rows up to a multiple of the widest tile, as the CUDA engine's
+  // staging does (FusedSampleParams::hidden_capacity_rows); cuBLAS reads
+  // the first `batch` of them.
+  const int h_capacity_rows = (max_batch + 127) / 128 * 128;
   const size_t weight_bytes = static_cast<size_t>(vocab) * hidden * 2;
   void* weights = nullptr;
   void* hidden_states = nullptr;
@@ -360,8 +367,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   const int64_t tiles = FusedSampleNumTiles(vocab);
   const int64_t chunks = GumbelLogitsNumChunks(vocab);
   BENCH_CHECK(cudaMalloc(&weights, weight_bytes));
-  BENCH_CHECK(
-      cudaMalloc(&hidden_states, static_cast<size_t>(max_batch) * hidden * 2));
+  BENCH_CHECK(cudaMalloc(&hidden_states,
+                         static_cast<size_t>(h_capacity_rows) * hidden * 2));
   BENCH_CHECK(cudaMalloc(&logits, static_cast<size_t>(max_batch) * vocab * 2));
   BENCH_CHECK(cudaMalloc(&probs, static_cast<size_t>(max_batch) * vocab * 4));
   BENCH_CHECK(cudaMalloc(&candidates, sizeof(Candidate) * tiles * max_batch));
@@ -379,9 +386,9 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   BENCH_CHECK(cudaMalloc(&timeline, timeline_count * sizeof(uint64_t)));
   BENCH_CHECK(LaunchFillUniform(weights, vocab * hidden, LogitsDType::kBf16,
                                 0x1234, config.scale, stream));
-  BENCH_CHECK(
-      LaunchFillUniform(hidden_states, static_cast<int64_t>(max_batch) * hidden,
-                        LogitsDType::kBf16, 0x5678, config.scale, stream));
+  BENCH_CHECK(LaunchFillUniform(
+      hidden_states, static_cast<int64_t>(h_capacity_rows) * hidden,
+      LogitsDType::kBf16, 0x5678, config.scale, stream));
   std::vector<float> host_inv_t(max_batch, 1.0f);  // temperature 1
   std::vector<uint64_t> host_seeds(max_batch);
   std::vector<uint64_t> host_steps(max_batch);
@@ -459,6 +466,11 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       own_h.multicast_h = false;
       own_h.max_batch = 128;
       variants.push_back(own_h);
+      // The default tiles with H declared as exactly the batch's rows, so
+      // that the boxes of a partial batch tile cross the tensor's end.
+      Variant exact_h{"fused_wgmma_exact_h_rows", FusedKernel::kWgmma, 0};
+      exact_h.exact_h_rows = true;
+      variants.push_back(exact_h);
       // The wider tiles with W's L2 promotion at 128 B and none (256 B is
       // their default).
       for (int block_n : {64, 128}) {
@@ -499,10 +511,11 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         [&](FusedKernel kernel, int block_n, bool in_kernel, bool greedy,
             L2Hint hint = L2Hint::kAuto, int promotion = 0, int stage_k = 0,
             bool split_last_round = true, bool share_last_epilogue = true,
-            bool multicast_h = true) {
+            bool multicast_h = true, bool exact_h_rows = false) {
           FusedSampleParams params;
           params.weights = weights;
           params.hidden = hidden_states;
+          params.hidden_capacity_rows = exact_h_rows ? 0 : h_capacity_rows;
           params.dtype = KernelDType::kBf16;
           params.vocab_rows = vocab;
           params.vocab_offset = 0;
@@ -581,7 +594,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       return fused_run(variant.kernel, variant.block_n, true, false,
                        variant.hint, variant.promotion, variant.stage_k,
                        variant.split_last_round, variant.share_last_epilogue,
-                       variant.multicast_h);
+                       variant.multicast_h, variant.exact_h_rows);
     };
     auto time = [&](const std::string& name,
                     const std::function<cudaError_t()>& launch) {

@@ -206,6 +206,8 @@ FusedSampleParams ParamsFor(const RankInputs& in, int64_t rows, int64_t offset,
   p.vocab_offset = offset;
   p.hidden_size = hidden;
   p.batch = batch;
+  // H holds kMaxFusedBatch rows: every batch's rows rounded up to a tile.
+  p.hidden_capacity_rows = kMaxFusedBatch;
   p.num_samples = 1;
   p.inv_temperature = in.inv_temperature;
   p.seeds = in.seeds;

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -58,6 +59,7 @@ struct LaunchSpec {
   bool split_last_round = true;
   bool share_last_epilogue = true;
   bool multicast_h = true;
+  int hidden_capacity_rows = 0;  // FusedSampleParams::hidden_capacity_rows
   bool want_logits = false;
 };
 
@@ -113,6 +115,7 @@ struct LaunchOutput {
   params.split_last_round = spec.split_last_round;
   params.share_last_epilogue = spec.share_last_epilogue;
   params.multicast_h = spec.multicast_h;
+  params.hidden_capacity_rows = spec.hidden_capacity_rows;
   cudaError_t error = LaunchFusedSample(params, nullptr, 0, nullptr);
   if (error != cudaSuccess) {
     return ::testing::AssertionFailure()
@@ -510,6 +513,73 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
           ASSERT_EQ(out.tokens[r * kSamples + s],
                     ReferenceSample(&reference[r * vocab], vocab, kOffset,
                                     inv_t[r], seeds[r], steps[r], s)
+                        .token_id)
+              << "row " << r << " sample " << s;
+        }
+      }
+    }
+  }
+}
+
+// FusedSampleParams::hidden_capacity_rows: H declared to TMA up to the batch
+// rounded up to the tile width, rows past the batch multiplied but never
+// scored. Rows 200..255 of H are NaN, so that a padded tile that reads them
+// (B = 136 and 200 at block_n 64 and 128) would show any leak into a batch
+// column's logits; batches at every tile width, with multicast (one batch
+// tile) and with two batch tiles, logits bit for bit and tokens exact.
+TEST(FusedSamplerGpuTest, HiddenRowsPastTheBatchChangeNoBit) {
+  FS_SKIP_WITHOUT_GPU();
+  if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
+    GTEST_SKIP() << "hidden_capacity_rows shapes the wgmma path's TMA map; "
+                    "no sm_90a here";
+  }
+  constexpr int64_t kVocab = 3 * 128 + 56;
+  constexpr int kHidden = 128;
+  constexpr int kRows = 256;
+  constexpr int kFiniteRows = 200;
+  constexpr int kSamples = 2;
+  std::mt19937_64 rng(51);
+  const std::vector<float> weights = SmallIntegers(kVocab * kHidden, 3, rng);
+  std::vector<float> hidden = SmallIntegers(kRows * kHidden, 2, rng);
+  std::fill(hidden.begin() + kFiniteRows * kHidden, hidden.end(),
+            std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> inv_t;
+  std::vector<uint64_t> seeds;
+  std::vector<uint64_t> steps;
+  MakeControls(kRows, 4, &inv_t, &seeds, &steps);
+  auto sampler =
+      CpuSampler::Create(std::make_shared<const std::vector<float>>(weights),
+                         kVocab, kHidden, CpuSamplerOptions());
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  std::vector<float> reference(static_cast<size_t>(kFiniteRows) * kVocab);
+  ASSERT_TRUE((*sampler)
+                  ->ComputeLogits(hidden.data(), kFiniteRows, reference.data())
+                  .ok());
+  Problem problem;
+  ASSERT_TRUE(MakeProblem(weights, hidden, kVocab, kHidden, KernelDType::kBf16,
+                          inv_t, seeds, steps, &problem));
+  for (int block_n : {0, 16, 64, 128}) {
+    for (int batch : {1, 17, 100, 136, 200}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "block_n " << block_n << " batch " << batch);
+      LaunchSpec spec;
+      spec.batch = batch;
+      spec.num_samples = kSamples;
+      spec.kernel = FusedKernel::kWgmma;
+      spec.block_n = block_n;
+      spec.hidden_capacity_rows = kRows;
+      spec.want_logits = true;
+      LaunchOutput out;
+      ASSERT_TRUE(RunFused(problem, spec, &out));
+      ASSERT_EQ(std::memcmp(out.logits.data(), reference.data(),
+                            sizeof(float) * batch * kVocab),
+                0)
+          << "logits differ from the exact small-integer products";
+      for (int r = 0; r < batch; ++r) {
+        for (int s = 0; s < kSamples; ++s) {
+          ASSERT_EQ(out.tokens[r * kSamples + s],
+                    ReferenceSample(&reference[r * kVocab], kVocab, 0, inv_t[r],
+                                    seeds[r], steps[r], s)
                         .token_id)
               << "row " << r << " sample " << s;
         }
@@ -1073,6 +1143,9 @@ TEST(FusedSamplerGpuTest, RefusesUnsupportedShapes) {
   EXPECT_EQ(LaunchFusedSample(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
   bad = params;
   bad.batch = 0;
+  EXPECT_EQ(LaunchFusedSample(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
+  bad = params;
+  bad.hidden_capacity_rows = params.batch - 1;  // fewer rows than the batch
   EXPECT_EQ(LaunchFusedSample(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
   bad = params;
   bad.hidden = hidden.get() + 1;  // misaligned
