@@ -39,10 +39,9 @@ struct FusedSampleParams {
   // column's logits use its own row of H alone), so any values do. The
   // wgmma path then declares H to TMA as the batch rounded up to the tile
   // width (within these rows), so that no H box crosses the tensor's end:
-  // on H200 such boxes cost ~2.5 us per missing row per launch (qwen at
-  // B = 136: 847 against 548 us at B = 256; docs/perf/
-  // fused_kernel_attempts.md, attempt 51). The CUDA engine passes its
-  // staging buffer's rows.
+  // on H200 such boxes made qwen B = 136 1.45x slower, ~2.5 us per missing
+  // row per launch (docs/perf/fused_kernel_attempts.md, attempt 51). The
+  // CUDA engine passes its staging buffer's rows.
   int hidden_capacity_rows = 0;
   KernelDType dtype = KernelDType::kBf16;
   int64_t vocab_rows = 0;    // rows of `weights` (this shard)

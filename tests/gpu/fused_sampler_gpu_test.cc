@@ -524,9 +524,9 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
 // FusedSampleParams::hidden_capacity_rows: H declared to TMA up to the batch
 // rounded up to the tile width, rows past the batch multiplied but never
 // scored. Rows 200..255 of H are NaN, so that a padded tile that reads them
-// (B = 136 and 200 at block_n 64 and 128) would show any leak into a batch
-// column's logits; batches at every tile width, with multicast (one batch
-// tile) and with two batch tiles, logits bit for bit and tokens exact.
+// (B = 200 at every width, B = 136 at 128) would show any leak into a batch
+// column's logits; batches at every tile width, with one batch tile and
+// with several, logits bit for bit and tokens exact.
 TEST(FusedSamplerGpuTest, HiddenRowsPastTheBatchChangeNoBit) {
   FS_SKIP_WITHOUT_GPU();
   if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
