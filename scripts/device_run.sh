@@ -124,6 +124,16 @@ if [[ $mode == bench || $mode == all ]]; then
   fi
 fi
 
+# The fused / cuBLAS columns of a results.csv, under a title (nothing when
+# the file is missing).
+ratio_table() {  # title, csv
+  [[ -f $2 ]] || return 0
+  echo
+  echo "$1"
+  echo "config    B  fused_us  cublas_us  fused/cublas  cublas_first  interleaved"
+  awk -F, 'NR > 1 { printf "%-7s %4d %9.1f %10.1f %13.3f %13.3f %12.3f\n", $1, $4, $6, $7, $10, $18, $17 }' "$2"
+}
+
 {
   echo
   echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
@@ -133,16 +143,7 @@ fi
     echo "config    B  path    fused_us  cublas_us  fused/cublas  cublas_first  interleaved  best_variant        best/cublas  W_TB/s  stream_TB/s  W/stream  softmax+multi_us  gumbel_us"
     awk -F, 'NR > 1 { printf "%-7s %4d  %-6s %9.1f %10.1f %12.3f %13.3f %12.3f  %-18s %11.3f %7.2f %12.2f %9.3f %17.1f %10.1f\n", $1, $4, $5, $6, $7, $10, $18, $17, $11, $13, $14, $15, $16, $8, $9 }' "$out/results.csv"
   fi
-  if [[ -f $out/results_steady.csv ]]; then
-    echo
-    echo "steady state (1000 calls per method)"
-    echo "config    B  fused_us  cublas_us  fused/cublas  cublas_first  interleaved"
-    awk -F, 'NR > 1 { printf "%-7s %4d %9.1f %10.1f %13.3f %13.3f %12.3f\n", $1, $4, $6, $7, $10, $18, $17 }' "$out/results_steady.csv"
-  fi
-  if [[ -f $out/results_between.csv ]]; then
-    echo
-    echo "batches between the powers of two (100 calls per method)"
-    echo "config    B  fused_us  cublas_us  fused/cublas  cublas_first  interleaved"
-    awk -F, 'NR > 1 { printf "%-7s %4d %9.1f %10.1f %13.3f %13.3f %12.3f\n", $1, $4, $6, $7, $10, $18, $17 }' "$out/results_between.csv"
-  fi
+  ratio_table "steady state (1000 calls per method)" "$out/results_steady.csv"
+  ratio_table "batches between the powers of two (100 calls per method)" \
+    "$out/results_between.csv"
 } | tee -a "$log"

@@ -186,6 +186,36 @@ struct LaunchOutput {
   return ::testing::AssertionSuccess();
 }
 
+// The first `batch` rows of a RunFused output (with want_logits) against
+// small-integer products: logits bit for bit against `reference` ([rows]
+// [vocab]), and every token against ReferenceSample, the same noise on
+// those logits.
+::testing::AssertionResult MatchesExactReference(
+    const LaunchOutput& out, const std::vector<float>& reference, int64_t vocab,
+    int64_t vocab_offset, int batch, int num_samples,
+    const std::vector<float>& inv_t, const std::vector<uint64_t>& seeds,
+    const std::vector<uint64_t>& steps) {
+  if (std::memcmp(out.logits.data(), reference.data(),
+                  sizeof(float) * batch * vocab) != 0) {
+    return ::testing::AssertionFailure()
+           << "logits differ from the exact small-integer products";
+  }
+  for (int r = 0; r < batch; ++r) {
+    for (int s = 0; s < num_samples; ++s) {
+      const int32_t expected =
+          ReferenceSample(&reference[r * vocab], vocab, vocab_offset, inv_t[r],
+                          seeds[r], steps[r], s)
+              .token_id;
+      if (out.tokens[r * num_samples + s] != expected) {
+        return ::testing::AssertionFailure()
+               << "row " << r << " sample " << s << ": token "
+               << out.tokens[r * num_samples + s] << ", expected " << expected;
+      }
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 std::vector<uint16_t> ToHalfBits(const std::vector<float>& values,
                                  KernelDType dtype) {
   std::vector<uint16_t> bits(values.size());
@@ -504,19 +534,8 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
       spec.want_logits = true;
       LaunchOutput out;
       ASSERT_TRUE(RunFused(problem, spec, &out));
-      ASSERT_EQ(std::memcmp(out.logits.data(), reference.data(),
-                            sizeof(float) * batch * vocab),
-                0)
-          << "logits differ from the exact small-integer products";
-      for (int r = 0; r < batch; ++r) {
-        for (int s = 0; s < kSamples; ++s) {
-          ASSERT_EQ(out.tokens[r * kSamples + s],
-                    ReferenceSample(&reference[r * vocab], vocab, kOffset,
-                                    inv_t[r], seeds[r], steps[r], s)
-                        .token_id)
-              << "row " << r << " sample " << s;
-        }
-      }
+      ASSERT_TRUE(MatchesExactReference(out, reference, vocab, kOffset, batch,
+                                        kSamples, inv_t, seeds, steps));
     }
   }
 }
@@ -571,19 +590,8 @@ TEST(FusedSamplerGpuTest, HiddenRowsPastTheBatchChangeNoBit) {
       spec.want_logits = true;
       LaunchOutput out;
       ASSERT_TRUE(RunFused(problem, spec, &out));
-      ASSERT_EQ(std::memcmp(out.logits.data(), reference.data(),
-                            sizeof(float) * batch * kVocab),
-                0)
-          << "logits differ from the exact small-integer products";
-      for (int r = 0; r < batch; ++r) {
-        for (int s = 0; s < kSamples; ++s) {
-          ASSERT_EQ(out.tokens[r * kSamples + s],
-                    ReferenceSample(&reference[r * kVocab], kVocab, 0, inv_t[r],
-                                    seeds[r], steps[r], s)
-                        .token_id)
-              << "row " << r << " sample " << s;
-        }
-      }
+      ASSERT_TRUE(MatchesExactReference(out, reference, kVocab, 0, batch,
+                                        kSamples, inv_t, seeds, steps));
     }
   }
 }
