@@ -11,10 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/dtype_convert.h"
+#include "common/proto_dtype.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
-#include "service/dtype_convert.h"
-#include "service/proto_dtype.h"
 
 // Tensor.data is little-endian on the wire; the request builders copy host
 // memory as it is.

@@ -18,8 +18,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/dtype.h"
 #include "flashsampler/v1/sampler.grpc.pb.h"
-#include "service/sampling_params.h"
 
 namespace flashsampler {
 

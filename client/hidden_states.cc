@@ -16,7 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
-#include "service/dtype_convert.h"
+#include "common/dtype_convert.h"
 
 namespace flashsampler {
 namespace {

@@ -8,8 +8,8 @@
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
+#include "common/dtype.h"
 #include "flashsampler/v1/sampler.pb.h"
-#include "service/sampling_params.h"
 
 namespace flashsampler {
 

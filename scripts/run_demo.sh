@@ -13,8 +13,8 @@ scripts/install_deps.sh
 cmake -S . -B "$build_dir" -DFS_WERROR=ON
 cmake --build "$build_dir" --target flashsamplerd flashsampler-cli -j2
 
-daemon="$build_dir/service/flashsamplerd"
-cli="$build_dir/client/flashsampler-cli"
+daemon="$build_dir/bin/flashsamplerd"
+cli="$build_dir/bin/flashsampler-cli"
 work=$(mktemp -d -t flashsampler-demo.XXXXXX)
 log="$work/flashsamplerd.log"
 daemon_pid=""

@@ -11,10 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/dtype_convert.h"
 #include "gmock/gmock.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
-#include "service/dtype_convert.h"
 #include "tests/client/fake_sampler_server.h"
 
 namespace flashsampler {

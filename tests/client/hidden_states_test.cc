@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype_convert.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "service/dtype_convert.h"
 
 namespace flashsampler {
 namespace {

@@ -207,8 +207,8 @@ class DaemonTest(unittest.TestCase):
         self.assertIn("flashsampler_request_duration_seconds", exported)
         # A family without series yet (no exact fallback so far, no CUDA
         # device on the CPU backend) is not in the exposition; the names
-        # service/metrics.cc registers count as well.
-        with open(os.path.join(REPO, "service", "metrics.cc")) as f:
+        # service/serving/metrics.cc registers count as well.
+        with open(os.path.join(REPO, "service", "serving", "metrics.cc")) as f:
             declared = set(re.findall(r'\.Name\("(flashsampler_\w+)"\)',
                                       f.read()))
         self.assertLessEqual(

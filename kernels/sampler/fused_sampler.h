@@ -1,0 +1,206 @@
+// Host API of the fused LM-head matmul + Gumbel-max sampler (stage 1) and the
+// candidate reduction (stage 2). The [B, V] logits never reach device memory
+// unless a caller asks for them (logits_out) to check the IO model. Every
+// launcher returns cudaError_t and takes the stream last; no allocation
+// happens in a launcher (workspaces are sized once with the *Size queries).
+#ifndef FLASHSAMPLER_KERNELS_SAMPLER_FUSED_SAMPLER_H_
+#define FLASHSAMPLER_KERNELS_SAMPLER_FUSED_SAMPLER_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/noise/philox.h"
+
+namespace flashsampler {
+
+enum class KernelDType { kBf16, kFp16 };
+
+// Which tensor-core path runs stage 1. Both accumulate k-steps 0..D in order
+// into one fp32 accumulator per logit, but they are different instructions
+// (HMMA vs HGMMA), so one device must always use the same one: kAuto picks
+// wgmma on sm_90 (when the binary carries sm_90a code) and mma.sync
+// elsewhere, for every batch size. Forcing a path is for tests and the
+// benchmark.
+enum class FusedKernel { kAuto, kMmaSync, kWgmma };
+
+// L2 eviction priority of the wgmma path's W loads (a tuning knob; tokens
+// are the same for every choice). kAuto: normal (measured faster than
+// evict-first, docs/perf/fused_kernel_attempts.md).
+enum class L2Hint { kAuto, kEvictFirst, kEvictNormal };
+
+// Arguments of one stage-1 launch over one vocabulary shard.
+struct FusedSampleParams {
+  const void* weights = nullptr;  // [vocab_rows, hidden] row-major, dtype
+  const void* hidden = nullptr;   // [batch, hidden] row-major, dtype
+  // Rows of `hidden` the kernel may read: 0 (the batch) or >= batch. Rows
+  // past the batch enter the tensor-core tiles but no result (a batch
+  // column's logits use its own row of H alone), so any values do. The
+  // wgmma path then declares H to TMA as the batch rounded up to the tile
+  // width (within these rows), so that no H box crosses the tensor's end:
+  // on H200 such boxes made qwen B = 136 1.45x slower, ~2.5 us per missing
+  // row per launch (docs/perf/fused_kernel_attempts.md, attempt 51). The
+  // CUDA engine passes its staging buffer's rows.
+  int hidden_capacity_rows = 0;
+  KernelDType dtype = KernelDType::kBf16;
+  int64_t vocab_rows = 0;    // rows of `weights` (this shard)
+  int64_t vocab_offset = 0;  // global token id of weights row 0
+  int hidden_size = 0;       // D; a multiple of 64
+  int batch = 0;             // B rows, 1 .. kMaxFusedBatch
+  int num_samples = 1;       // n samples per row (sample index 0 .. n-1)
+  // Per row [batch]: 1 / temperature; 0 marks a greedy row (argmax of the
+  // logit, no noise).
+  const float* inv_temperature = nullptr;
+  const uint64_t* seeds = nullptr;  // [batch] Philox key
+  const uint64_t* steps = nullptr;  // [batch] decode step (noise counter)
+  // Stage-1 output: [num_tiles][num_samples][batch] candidates, where
+  // num_tiles = FusedSampleNumTiles(vocab_rows). May point into a peer
+  // GPU's memory (tensor parallel: candidates stream to the reducing rank).
+  // May be null when token_ids is set.
+  Candidate* candidates = nullptr;
+  // Optional in-kernel stage 2 over this shard (one GPU: no second launch):
+  // token ids [batch][num_samples] (and optionally the winning scores),
+  // exactly what LaunchReduceCandidates would give. Needs the workspace
+  // (FusedSampleWorkspaceSize bytes, zero-filled once after allocation;
+  // each launch leaves it zeroed) and num_samples <= 64. Launches sharing
+  // a workspace must be stream-ordered.
+  int32_t* token_ids = nullptr;
+  float* winning_scores = nullptr;
+  // Optional, tensor parallel: the shard's best candidate per (sample, row),
+  // [num_samples][batch] -- what LaunchReduceCandidates over this shard's
+  // tiles would keep -- written by the in-kernel stage 2 (same workspace and
+  // num_samples <= 64 as token_ids). May point into a peer GPU's memory:
+  // the reducing rank then reduces one candidate per shard instead of one
+  // per tile. Without candidates, token_ids may be null.
+  Candidate* shard_winners = nullptr;
+  // With candidates and no token_ids (tensor parallel): also keep each row's
+  // best published candidate in the workspace (as token_ids needs it), so
+  // that tiles skip the tokens that cannot beat it (docs/perf/
+  // fused_kernel_attempts.md, attempt 5). A tile that cannot hold the winner
+  // may then report a dominated candidate or none (kNoToken at -inf);
+  // LaunchReduceCandidates over all tiles gives the same tokens, bit for
+  // bit. The workspace must be on this launch's GPU, zero-filled once and
+  // used by one launch at a time (each leaves it zeroed). Has no effect
+  // for num_samples > 64.
+  bool floor_in_workspace = false;
+  // Optional [batch, vocab_rows] fp32 logits (tests of the IO model only).
+  float* logits_out = nullptr;
+  // Tensor-core path (see FusedKernel) and batch columns per work item (0 =
+  // the heuristic; else 16, 64 or 128; larger batches take several). Results
+  // are bit-identical for every choice of block_n on one path; tests and the
+  // benchmark sweep them.
+  FusedKernel kernel = FusedKernel::kAuto;
+  int block_n = 0;
+  // Tuning knobs of the wgmma path's W loads, swept by the benchmark: the
+  // L2 hint, and the tensor map's L2 promotion in bytes (0 = the default:
+  // 128 at block_n 16 and 64, 256 at 128; or 256, 128, or -1 for none).
+  L2Hint w_l2_hint = L2Hint::kAuto;
+  int w_l2_promotion = 0;
+  // Elements of D per wgmma pipeline stage: 0 = the default (128 for the
+  // 16-wide tiles up to B = 32, else 64), 64 or 128 (two swizzle-wide
+  // k-blocks: 256 contiguous bytes of each W row per stage; D not a
+  // multiple of 128 uses 64). Same k order, same bits.
+  int w_stage_k = 0;
+  // wgmma path, block_n 128: when the persistent grid's last round of items
+  // fills at most half the SMs, cut its items into two 64-column halves on
+  // twice as many SMs (half an item per SM instead of a whole one). Off only
+  // for the benchmark's comparison; same bits either way.
+  bool split_last_round = true;
+  // wgmma path, block_n >= 64: the CTA's last piece is scored by both
+  // consumer warpgroups (its owner stages half of its accumulators in shared
+  // memory). Off only for the benchmark's comparison; same bits either way.
+  bool share_last_epilogue = true;
+  // wgmma path, block_n 128 with one batch tile (B = 65..128): pairs of
+  // CTAs (2-CTA clusters) load H once for both by TMA multicast, where the
+  // GPU can hold the persistent grid's pairs at once. Off only for the
+  // benchmark's and the tests' comparisons; same bits either way.
+  bool multicast_h = true;
+  // Optional, for profiling (fs_bench --timeline): the wgmma path records,
+  // per (CTA, consumer warpgroup, piece), the %globaltimer nanoseconds at
+  // which the piece's wgmmas start (after the hand-off), end, and its
+  // scoring ends, into timeline[((cta * 2 + consumer) * timeline_pieces +
+  // piece) * 3 + event]; pieces past timeline_pieces are not recorded.
+  // Everything else is unchanged.
+  uint64_t* timeline = nullptr;
+  int timeline_pieces = 0;
+};
+
+constexpr int kMaxFusedBatch = 256;
+// Samples per row up to which the in-kernel stage 2 (token_ids,
+// shard_winners) and the workspace's pruning floor work.
+constexpr int kMaxFusedInKernelSamples = 64;
+
+// Vocabulary rows per stage-1 tile; each tile emits one candidate per
+// (sample, row). Fixed for all batch sizes so that nothing about a row's
+// result depends on the batch it rides in.
+int FusedSampleTileRows();
+
+// Number of stage-1 tiles (candidates per row and sample) for a shard.
+int64_t FusedSampleNumTiles(int64_t vocab_rows);
+
+// Bytes of device scratch a launch with token_ids, shard_winners or
+// floor_in_workspace set needs (none without): a counter and one 64-bit key
+// per (sample, row), for num_samples <= kMaxFusedInKernelSamples.
+size_t FusedSampleWorkspaceSize(int batch, int64_t vocab_rows, int hidden_size);
+
+// The path kAuto resolves to on the current device (kMmaSync or kWgmma).
+FusedKernel FusedSampleResolveKernel(FusedKernel requested);
+
+// Stage 1. Returns cudaErrorInvalidValue for unsupported shapes (hidden not a
+// multiple of 64, batch outside 1..kMaxFusedBatch, null or misaligned
+// pointers: weights and hidden must be 16-byte aligned; none of candidates,
+// token_ids and shard_winners; token_ids, shard_winners or
+// floor_in_workspace without a large enough workspace, or with
+// num_samples > kMaxFusedInKernelSamples where the in-kernel stage 2 is
+// needed), and
+// cudaErrorNotSupported for a forced path or block_n this device or build
+// lacks.
+cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
+                              size_t workspace_bytes, cudaStream_t stream);
+
+// Counts, into the device word `mismatches` (zeroed here), the uniforms --
+// all 2^23 of them -- for which the kernels' branch-free Gumbel noise (its
+// logarithm on -log(-log u), and the block noise of a first and another
+// slot) differs in any bit from kernels/noise/philox.h's. Anything but 0 means
+// this device must not serve (the CUDA engine checks at start).
+cudaError_t LaunchNoiseSelfCheck(unsigned int* mismatches, cudaStream_t stream);
+
+// The pruning brackets of the stage-1 epilogue (fused_epilogue.cuh): bounds
+// on a token's score from its Philox word (WordUpperBound, and with its
+// block's uniform WordLowerBound), from the fast logarithm (PruneBounds) and
+// from its block's word (BlockUpperBound, BlockFirstLowerBound). Each upper
+// bound is what a token or a whole block is compared with before it is
+// skipped (against the launch's floor, the best exact score and, without a
+// floor, the best lower bound); pruning is exact only if every bound holds.
+enum NoiseBracket {
+  kNoiseBracketWordUpper = 0,    // WordUpperBound >= another slot's score
+  kNoiseBracketWordLower,        // WordLowerBound <= another slot's score
+  kNoiseBracketLogLower,         // PruneBounds lower <= score of G(u)
+  kNoiseBracketLogUpper,         // PruneBounds upper >= score of G(u)
+  kNoiseBracketBlockFirstLower,  // BlockFirstLowerBound <= first slot's
+  kNoiseBracketBlockFirstUpper,  // BlockUpperBound >= first slot's score
+  kNoiseBracketBlockOtherUpper,  // BlockUpperBound >= another slot's score
+  kNoiseBracketCount,
+};
+
+// Counts, into the device array violations[kNoiseBracketCount] (zeroed
+// here), the cases -- every one of the 2^23 uniforms, both extremes of the
+// Philox word's unused low bits, several (logit, inv_temperature) pairs --
+// where an exact score (philox.h's noise) falls outside a bracket, as the
+// kernels compute it. Anything but all 0 means pruning could change tokens:
+// this device must not serve (the CUDA engine checks at start).
+cudaError_t LaunchNoiseBracketCheck(unsigned int* violations,
+                                    cudaStream_t stream);
+
+// Stage 2: reduces [num_candidate_tiles][num_samples][batch] candidates to
+// token ids [batch][num_samples] (row-major), best score, lowest id on ties.
+// Optionally writes the winning scores too (winning_scores may be null).
+cudaError_t LaunchReduceCandidates(const Candidate* candidates,
+                                   int64_t num_candidate_tiles, int num_samples,
+                                   int batch, int32_t* token_ids,
+                                   float* winning_scores, cudaStream_t stream);
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_KERNELS_SAMPLER_FUSED_SAMPLER_H_

@@ -1,0 +1,716 @@
+// Stage 1 on Hopper (sm_90a): a persistent, warp-specialised "ping-pong"
+// kernel. TMA loads W and hidden tiles into 128-byte-swizzled stages of a
+// ring guarded by full/empty mbarriers; wgmma m64nNk16 multiplies with W
+// rows as M ("swap AB": the vocabulary is the large dimension, the batch is
+// N); the shared epilogue adds the noise and reduces.
+//
+// One CTA per SM, 384 threads: warpgroup 0 is the producer (one thread
+// issues the TMA copies; setmaxnreg gives its registers away), warpgroups
+// 1 and 2 are consumers. Each consumer multiplies whole pieces (an item: a
+// 128-row vocab tile x kBlockN batch columns, or half of one in a split
+// last round; two m64 wgmmas per k-step, kBlockN fp32 accumulators per
+// thread) and the two alternate: consumer 1 starts piece j+1 once consumer 0
+// has received the last stage of piece j, so one consumer's epilogue (the
+// noise, pruned exactly: fused_epilogue.cuh) runs while the other's wgmmas
+// run, and the producer streams W across piece boundaries without draining
+// the ring. With kBlockN >= 64 the CTA's last piece is scored by both
+// consumers (its owner hands half of its columns to the other through
+// shared memory; FusedSampleParams::share_last_epilogue).
+//
+// Items go round-robin to the persistent CTAs (WorkSchedule). Where the
+// last round would leave more than half the SMs idle, its 128-wide items
+// are cut into two 64-wide halves on twice as many CTAs, so that the round
+// costs half an item per SM instead of a whole one.
+//
+// With one 128-wide batch tile (B = 65..128) every CTA multiplies the same
+// H, and the CTAs run as 2-CTA clusters that load it once per pair (TMA
+// multicast, kClusterCtas = 2): 3% faster at qwen B = 128
+// (docs/perf/fused_kernel_attempts.md, attempt 50).
+//
+// The k-steps of D are issued in order into one fp32 accumulator per logit
+// whatever the wgmma's N is, so a row's logits do not depend on the batch
+// or on the schedule (DESIGN.md rule 2). Rows past the shard or the batch
+// are zero-filled by TMA's out-of-bounds handling and ignored by the
+// epilogue.
+#ifndef FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_
+#define FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "kernels/sampler/device_ptx.cuh"
+#include "kernels/sampler/fused_epilogue.cuh"
+#include "kernels/sampler/fused_sampler_internal.h"
+#include "kernels/sampler/wgmma_ops.cuh"
+
+namespace flashsampler {
+namespace fused {
+
+// kHalves: 64-wide k-blocks per ring stage. 2 makes each stage read 256
+// contiguous bytes of every W row instead of 128 (fewer DRAM row openings
+// per byte, half the barrier round trips), at half the stages.
+template <int kBlockN, int kStages, int kHalves>
+struct WgmmaKernelConfig {
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerThreads = 128;  // per consumer warpgroup
+  static constexpr int kHalfBytesA = kTileRows * kBlockK * 2;  // 16 KB
+  static constexpr int kHalfBytesB = kBlockN * kBlockK * 2;
+  static constexpr int kStageBytesA = kHalfBytesA * kHalves;
+  static constexpr int kStageBytesB = kHalfBytesB * kHalves;
+  static_assert(kHalfBytesB % 1024 == 0, "swizzle atoms are 1024 bytes");
+  static_assert(kBlockN % 16 == 0, "the epilogue scores 16 columns per call");
+  using Epilogue =
+      EpilogueShared<kBlockN, 4, kQuadStagingFloats, kTileRows / 16>;
+  static constexpr size_t kEpilogueBytes = (sizeof(Epilogue) + 15) / 16 * 16;
+  static constexpr size_t kPipelineBytes =
+      static_cast<size_t>(kStages) * (kStageBytesA + kStageBytesB);
+  static constexpr size_t kBarrierOffset = kPipelineBytes + 2 * kEpilogueBytes;
+  // +1024: the dynamic shared memory base is only guaranteed 16-byte
+  // aligned; the kernel rounds it up to the 1024 bytes swizzle atoms need.
+  static constexpr size_t kSmemBytes =
+      kBarrierOffset + 2 * kStages * sizeof(uint64_t) + 16 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
+};
+
+// Keeps the compiler from moving accumulator reads or writes across the
+// asynchronous wgmma instructions (CUTLASS's warpgroup_fence_operand).
+template <int kCount>
+__device__ __forceinline__ void FenceAccumulators(float (&acc)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) {
+    asm volatile("" : "+f"(acc[i])::"memory");
+  }
+}
+
+__device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// One CTA's share of the work: whole items (vocab tile x kBlockN batch
+// columns) round-robin, item i on CTA i % grid in round i / grid, and, when
+// the last round is at most half full and kBlockN is 128, that round's items
+// in halves of 64 columns, two CTAs per item. Without the split a CTA's cost
+// is ceil(items / grid) items; the split makes the last round half an item
+// (qwen's TP8 shard at B = 128: 85 instead of 100 us; docs/perf/
+// fused_kernel_attempts.md, attempt 18). Producer and consumers walk the
+// same sequence of pieces.
+//
+// Where the grid is a multiple of the batch tiles, a vocab tile's items
+// share a round, on neighbouring CTAs that read its W once from DRAM and
+// then from L2. With a partial last batch tile (B = 136: 128 + 8 columns)
+// their batch tiles rotate by one per round, so that no CTA draws the
+// partial tile all launch long: such CTAs scored almost nothing, ran ahead
+// of their neighbours, and read W from DRAM again by the time the
+// neighbours reached it (qwen B = 136: 666 us sampled against 549 all
+// greedy; docs/perf/fused_kernel_attempts.md, attempt 51). Equal batch
+// tiles keep the schedule they had.
+struct WorkPiece {
+  int64_t tile;  // vocab tile
+  int col0;      // first batch column
+  bool half;     // kBlockN / 2 columns instead of kBlockN
+};
+
+// kRotate: rotate the batch tiles where they differ (above); off in the
+// 2-CTA cluster kernel, which only runs one batch tile (and where the check
+// cost ptxas a spill).
+template <int kBlockN, bool kRotate = true>
+struct WorkSchedule {
+  static constexpr bool kCanSplit = kBlockN == 128;
+  int batch_tiles;
+  int full_rounds;
+  int tail_items;  // items of the last, partial round
+  bool split_tail;
+  bool rotate;  // the batch tiles rotate per round (above)
+
+  // Counts fit 32 bits: the dispatcher caps vocab tiles at 65535 and the
+  // batch at kMaxFusedBatch.
+  __device__ WorkSchedule(int num_items, int batches, int grid,
+                          bool allow_split, int batch)
+      : batch_tiles(batches),
+        full_rounds(num_items / grid),
+        tail_items(num_items % grid),
+        split_tail(kCanSplit && allow_split && tail_items > 0 &&
+                   2 * tail_items <= grid),
+        rotate(kRotate && batches > 1 && batch % kBlockN != 0 &&
+               grid % batches == 0) {}
+
+  __device__ int PiecesOf(int cta) const {
+    const int tail_pieces = split_tail ? 2 * tail_items : tail_items;
+    return full_rounds + (cta < tail_pieces ? 1 : 0);
+  }
+
+  __device__ WorkPiece PieceAt(int j, int cta, int grid) const {
+    WorkPiece piece;
+    piece.half = j == full_rounds && split_tail;
+    // 64-bit: with 32-bit item numbers ptxas -v showed the consumer
+    // spilling 132 bytes, with 64-bit 36 (reloaded once per piece, outside
+    // the scoring loops).
+    const int64_t item =
+        piece.half ? static_cast<int64_t>(full_rounds) * grid + cta / 2
+                   : cta + static_cast<int64_t>(j) * grid;
+    piece.tile = item / batch_tiles;
+    int batch_tile = static_cast<int>(item % batch_tiles);
+    // The round's items of one vocab tile are batch_tiles consecutive CTAs
+    // (the grid is a multiple of batch_tiles), so rotating within them
+    // keeps every item exactly once.
+    if (rotate && !piece.half) {
+      batch_tile = (batch_tile + j) % batch_tiles;
+    }
+    piece.col0 =
+        batch_tile * kBlockN + (piece.half ? (cta % 2) * (kBlockN / 2) : 0);
+    return piece;
+  }
+};
+
+// Named barriers: 1 and 2 = consumer 0 / 1 epilogue (128 threads); 3 and 4 =
+// the hand-off into consumer 0 / 1's next item (256: one side arrives, the
+// other waits); 5 = the last piece's accumulators are staged for the other
+// consumer, 6 = the other consumer's wgmmas are done (256 each, the same
+// way).
+constexpr int kEpilogueBarrier = 1;
+constexpr int kHandoffBarrier = 3;
+constexpr int kShareBarrier = 5;
+constexpr int kRingDrainedBarrier = 6;
+
+// A consumer's main loop over one piece: num_steps ring stages from ring
+// sequence number seq0 on, two m64nN wgmmas per k-step (rows 0-63 into
+// acc0, 64-127 into acc1), one k-block kept in flight; each stage goes back
+// to the producer once its wgmmas are done. On the last stage it lets the
+// other consumer start the CTA's next piece (hand_off).
+template <typename T, int kN, typename Config, int kStages, int kHalves,
+          int kClusterCtas>
+__device__ __forceinline__ void MultiplyPiece(
+    float (&acc0)[kN / 2], float (&acc1)[kN / 2], uint32_t smem_a_base,
+    uint32_t smem_b_base, uint32_t full_bar_base, uint32_t empty_bar_base,
+    int num_steps, uint32_t seq0, int hand_off_barrier, int lane,
+    bool shared_h) {
+  // A consumed stage goes back to this CTA's producer and, when the piece's
+  // H is multicast, to the peer's, whose next load of that stage writes its
+  // half of H here. The empty barriers count two arrivals per consumer warp
+  // either way (a stage of this CTA's own loads arrives twice here).
+  const auto release = [empty_bar_base, lane, shared_h](uint32_t stage) {
+    if (lane != 0) return;
+    if constexpr (kClusterCtas == 2) {
+      if (shared_h) {
+        ptx::MbarrierArrive(empty_bar_base + 8 * stage);
+        ptx::MbarrierArriveRemote(empty_bar_base + 8 * stage,
+                                  ptx::ClusterCtaRank() ^ 1u);
+      } else {
+        ptx::MbarrierArriveCount(empty_bar_base + 8 * stage, 2);
+      }
+    } else {
+      ptx::MbarrierArrive(empty_bar_base + 8 * stage);
+    }
+  };
+  FenceAccumulators(acc0);
+  FenceAccumulators(acc1);
+  // Ring position of the first stage; advanced incrementally (a run-time
+  // % kStages per step costs a multiply-shift sequence).
+  uint32_t stage = seq0 % kStages;
+  uint32_t phase = (seq0 / kStages) & 1;
+  uint32_t previous_stage = stage;
+  for (int step = 0; step < num_steps; ++step) {
+    ptx::MbarrierWait(full_bar_base + 8 * stage, phase);
+    if (step == num_steps - 1 && hand_off_barrier >= 0) {
+      NamedBarrierArrive(hand_off_barrier, 256);
+    }
+    ptx::WgmmaFence();
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const uint32_t a_low = ptx::WgmmaDescriptorLow(
+          smem_a_base + stage * Config::kStageBytesA + h * Config::kHalfBytesA);
+      const uint32_t b_low = ptx::WgmmaDescriptorLow(
+          smem_b_base + stage * Config::kStageBytesB + h * Config::kHalfBytesB);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        // 16 elements of K = 32 bytes = 2 units of the descriptor address;
+        // rows 64-127 of the W tile start 64 x 128 bytes later. k-steps
+        // stay in order: half 0, then half 1. A kN narrower than the
+        // stage's batch rows reads its first kN rows.
+        const uint64_t desc_b = ptx::WgmmaDescriptorFromLow(b_low + 2 * kk);
+        ptx::Wgmma<T, kN>::Run(
+            acc0, ptx::WgmmaDescriptorFromLow(a_low + 2 * kk), desc_b);
+        ptx::Wgmma<T, kN>::Run(
+            acc1, ptx::WgmmaDescriptorFromLow(a_low + 512 + 2 * kk), desc_b);
+      }
+    }
+    ptx::WgmmaCommit();
+    // Keep one k-block in flight; the one before it is finished, so its
+    // stage goes back to the producer.
+    ptx::WgmmaWait<1>();
+    FenceAccumulators(acc0);
+    FenceAccumulators(acc1);
+    if (step > 0) release(previous_stage);
+    previous_stage = stage;
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  ptx::WgmmaWait<0>();
+  FenceAccumulators(acc0);
+  FenceAccumulators(acc1);
+  release(previous_stage);
+}
+
+// The first kCount floats of an accumulator array, as an array (the narrow
+// wgmma of a half piece fills the same leading n8 blocks).
+template <int kCount, int kTotal>
+__device__ __forceinline__ float (
+    &LeadingAccumulators(float (&acc)[kTotal]))[kCount] {
+  static_assert(kCount <= kTotal, "a prefix");
+  return *reinterpret_cast<float(*)[kCount]>(&acc[0]);
+}
+
+// kClusterCtas 2: H multicast over CTA pairs (2-CTA clusters), for one
+// batch tile of kBlockN = 128 columns. Every CTA then multiplies the same H
+// with its own W tiles, so each of a pair loads 64 of H's 128 rows of every
+// stage into both CTAs' ring, and H leaves L2 once per pair instead of
+// twice. Pieces the two do not share (the split round's halves, whose
+// columns differ; a last piece without one on the peer) load their own H.
+// A stage is refilled once both CTAs' consumers released it.
+template <typename T, int kBlockN, int kStages, int kHalves, int kClusterCtas>
+__global__ void __launch_bounds__(384, 1)
+    FusedWgmmaKernel(const __grid_constant__ CUtensorMap tensor_map_w,
+                     const __grid_constant__ CUtensorMap tensor_map_h,
+                     const __grid_constant__ CUtensorMap tensor_map_h_half,
+                     FusedArgs args) {
+#if FS_SM90A_ENABLED
+  using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
+  constexpr int kHalf = kBlockN / 2;  // accumulators per m64 wgmma
+  constexpr bool kMulticastH = kClusterCtas == 2;
+  static_assert(kClusterCtas == 1 || (kClusterCtas == 2 && kBlockN == 128),
+                "H multicast: pairs of 128-column tiles");
+  // The CTA's last piece ends on an epilogue that no other consumer's
+  // wgmmas hide (~15 us at B = 256: docs/perf/fused_kernel_attempts.md,
+  // attempt 20). Its owner stages the accumulators of the piece's second
+  // half of columns in the drained ring, and the other consumer, done with
+  // its own pieces by then, scores those while the owner scores the first
+  // half. For kBlockN >= 64 (each consumer's share is then 32 columns or
+  // more; kBlockN 16 has a short epilogue).
+  constexpr bool kShareLastEpilogue = kBlockN >= 64;
+  // Staged quads (16 columns) per warp: half of the widest piece.
+  constexpr int kSharedQuads = kBlockN / 32;
+  static_assert(!kShareLastEpilogue ||
+                    4 * kSharedQuads * kQuadStagingFloats * sizeof(float) <=
+                        kStages * Config::kStageBytesA,
+                "the staged half of a piece fits in the ring's W stages");
+  extern __shared__ uint8_t smem_raw[];
+  // Rounded up to the 1024 bytes the swizzle atoms need by an offset from
+  // smem_raw, not through an integer cast, so that the compiler still knows
+  // every pointer below is shared memory (otherwise each epilogue access is
+  // a generic LD/ST and the base pointer a spilled 64-bit value: device
+  // profile 2026-11-22).
+  uint8_t* smem =
+      smem_raw + ((1024u - (ptx::SmemAddr(smem_raw) & 1023u)) & 1023u);
+  uint8_t* smem_a = smem;
+  uint8_t* smem_b = smem + kStages * Config::kStageBytesA;
+  uint64_t* full_bar =
+      reinterpret_cast<uint64_t*>(smem + Config::kBarrierOffset);
+  uint64_t* empty_bar = full_bar + kStages;
+  int* last_flags = reinterpret_cast<int*>(empty_bar + kStages);
+  const uint32_t smem_a_base = ptx::SmemAddr(smem_a);
+  const uint32_t smem_b_base = ptx::SmemAddr(smem_b);
+  const uint32_t full_bar_base = ptx::SmemAddr(full_bar);
+  const uint32_t empty_bar_base = ptx::SmemAddr(empty_bar);
+
+  // Broadcast from lane 0 so that the compiler knows these are warp-uniform
+  // (CUTLASS's canonical_warp_group_idx): everything derived from them --
+  // item, ring stage, descriptors -- then lives in uniform registers instead
+  // of being moved there before every wgmma.
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  const int num_kb = args.hidden_size / kBlockK;
+  // Stages per item; the dispatcher only picks kHalves = 2 when D is a
+  // multiple of 128, so every stage is full (no data-dependent branch
+  // around the wgmmas: ptxas serialises wgmmas under one, warning C7520).
+  const int num_steps = num_kb / kHalves;
+  const int vocab_tiles =
+      static_cast<int>((args.vocab_rows + kTileRows - 1) / kTileRows);
+  const int batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
+  const WorkSchedule<kBlockN, kClusterCtas == 1> schedule(
+      vocab_tiles * batch_tiles, batch_tiles, gridDim.x, args.split_last_round,
+      args.batch);
+  // Pieces j < shared_pieces (all whole, one batch tile) multicast H; both
+  // CTAs of a pair compute the same count.
+  int shared_pieces = 0;
+  if constexpr (kMulticastH) {
+    const int mine = schedule.PiecesOf(blockIdx.x);
+    const int peer = schedule.PiecesOf(blockIdx.x ^ 1);
+    shared_pieces = min(mine, peer);
+    if (schedule.split_tail && shared_pieces > schedule.full_rounds) {
+      shared_pieces = schedule.full_rounds;
+    }
+  }
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::MbarrierInit(ptx::SmemAddr(&full_bar[s]), 1);
+      // Two arrivals per consumer warp (MultiplyPiece's release).
+      ptx::MbarrierInit(ptx::SmemAddr(&empty_bar[s]), 4 * kClusterCtas);
+    }
+    ptx::FenceBarrierInit();
+  }
+  if (threadIdx.x == 32) {
+    ptx::PrefetchTensorMap(&tensor_map_w);
+    ptx::PrefetchTensorMap(&tensor_map_h);
+    ptx::PrefetchTensorMap(&tensor_map_h_half);
+  }
+  if constexpr (kMulticastH) {
+    // The peer multicasts into this CTA's ring and arrives on its barriers.
+    ptx::ClusterSync();
+  } else {
+    __syncthreads();
+  }
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    // Producer: item after item, k-block after k-block, into ring slot
+    // seq % kStages. A slot is refilled once the consumer of its previous
+    // contents released it; the first use waits on the "previous phase"
+    // parity, which passes at once.
+    if (threadIdx.x == 0) {
+      uint32_t seq = 0;
+      const int pieces = schedule.PiecesOf(blockIdx.x);
+      for (int j = 0; j < pieces; ++j) {
+        const WorkPiece piece = schedule.PieceAt(j, blockIdx.x, gridDim.x);
+        const int32_t row0 = static_cast<int32_t>(piece.tile * kTileRows);
+        // A half piece loads a kBlockN / 2-row box of H (the second map)
+        // into the start of the stage's H buffer, where its narrower wgmma
+        // reads: the split round's pieces are bound by their loads, and a
+        // whole kBlockN-row box made them 0.73 of a whole piece's time
+        // instead of about half (timelines of llama B = 256, session 9).
+        const bool half = WorkSchedule<kBlockN>::kCanSplit && piece.half;
+        const bool shared_h = kMulticastH && j < shared_pieces;
+        const CUtensorMap* map_h =
+            half || shared_h ? &tensor_map_h_half : &tensor_map_h;
+        // Multicast: this CTA's 64 rows of H at their place in both CTAs'
+        // stage (the 128-byte swizzle repeats every 8 rows, so two 64-row
+        // boxes lay out as one 128-row box).
+        const uint32_t h_part = shared_h ? ptx::ClusterCtaRank() : 0;
+        const uint32_t stage_tx =
+            (Config::kHalfBytesA +
+             (half ? Config::kHalfBytesB / 2 : Config::kHalfBytesB)) *
+            kHalves;
+        const int32_t col0 = piece.col0;
+        for (int step = 0; step < num_steps; ++step, ++seq) {
+          const uint32_t stage = seq % kStages;
+          ptx::MbarrierWait(ptx::SmemAddr(&empty_bar[stage]),
+                            ((seq / kStages) & 1) ^ 1);
+          const uint32_t full = ptx::SmemAddr(&full_bar[stage]);
+          ptx::MbarrierArriveExpectTx(full, stage_tx);
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) {
+            const int k0 = (step * kHalves + h) * kBlockK;
+            ptx::TmaLoad2d(ptx::SmemAddr(smem_a + stage * Config::kStageBytesA +
+                                         h * Config::kHalfBytesA),
+                           &tensor_map_w, k0, row0, full, args.w_cache_hint);
+            const uint32_t dst_h =
+                ptx::SmemAddr(smem_b + stage * Config::kStageBytesB +
+                              h * Config::kHalfBytesB) +
+                h_part * (Config::kHalfBytesB / 2);
+            if (shared_h) {
+              ptx::TmaLoad2dMulticast(
+                  dst_h, map_h, k0,
+                  col0 + static_cast<int32_t>(h_part) * (kBlockN / 2), full,
+                  0x3, ptx::kL2EvictLast);
+            } else {
+              ptx::TmaLoad2d(dst_h, map_h, k0, col0, full, ptx::kL2EvictLast);
+            }
+          }
+        }
+      }
+      if constexpr (kMulticastH) {
+        // Stay until both CTAs' consumers have released every stage's last
+        // use (the waits a next round of loads would make): then the peer
+        // has made all its arrivals on this CTA's barriers, and the CTA may
+        // exit.
+        for (uint32_t end = seq + kStages; seq < end; ++seq) {
+          ptx::MbarrierWait(ptx::SmemAddr(&empty_bar[seq % kStages]),
+                            ((seq / kStages) & 1) ^ 1);
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int consumer = warpgroup - 1;
+  const int thread = threadIdx.x % 128;
+  const int warp = __shfl_sync(0xffffffffu, thread / 32, 0);
+  const int lane = thread % 32;
+  auto& epilogue = *reinterpret_cast<typename Config::Epilogue*>(
+      smem + Config::kPipelineBytes + consumer * Config::kEpilogueBytes);
+  float* staging = epilogue.staging[warp];
+  const int epilogue_barrier = kEpilogueBarrier + consumer;
+
+  // This consumer's pieces are the CTA's pieces j = consumer, consumer + 2,
+  // ...; piece j's stages are ring sequence numbers j*num_steps .. +
+  // num_steps - 1.
+  const int pieces = schedule.PiecesOf(blockIdx.x);
+  for (int j = consumer; j < pieces; j += 2) {
+    const WorkPiece piece = schedule.PieceAt(j, blockIdx.x, gridDim.x);
+    const int64_t tile = piece.tile;
+    const int batch_base = piece.col0;
+    const int columns = piece.half ? kBlockN / 2 : kBlockN;
+    // Safe: this thread's reads of the previous item's parameters ended
+    // before its last epilogue barrier.
+    LoadColumnParams(args, batch_base, thread, 128, epilogue);
+
+    float acc0[kHalf];
+    float acc1[kHalf];
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) acc0[i] = acc1[i] = 0.0f;
+    // Wait until the other consumer has received every stage of piece j-1:
+    // then every earlier ring phase is complete and the parity waits below
+    // cannot pass on a stale phase.
+    if (j >= 1) ptx::NamedBarrier(kHandoffBarrier + consumer, 256);
+    // Profiling (FusedSampleParams::timeline): thread 0 of the consumer.
+    uint64_t* timeline =
+        args.timeline != nullptr && j < args.timeline_pieces && thread == 0
+            ? args.timeline +
+                  ((blockIdx.x * 2 + consumer) * args.timeline_pieces + j) * 3
+            : nullptr;
+    if (timeline != nullptr) timeline[0] = ptx::GlobalTimerNs();
+    const uint32_t seq0 = static_cast<uint32_t>(j) * num_steps;
+    const int hand_off = j + 1 < pieces ? kHandoffBarrier + (1 - consumer) : -1;
+    const bool shared_h = kMulticastH && j < shared_pieces;
+    if constexpr (WorkSchedule<kBlockN>::kCanSplit) {
+      if (piece.half) {
+        MultiplyPiece<T, kBlockN / 2, Config, kStages, kHalves, kClusterCtas>(
+            LeadingAccumulators<kHalf / 2>(acc0),
+            LeadingAccumulators<kHalf / 2>(acc1), smem_a_base, smem_b_base,
+            full_bar_base, empty_bar_base, num_steps, seq0, hand_off, lane,
+            shared_h);
+      } else {
+        MultiplyPiece<T, kBlockN, Config, kStages, kHalves, kClusterCtas>(
+            acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
+            num_steps, seq0, hand_off, lane, shared_h);
+      }
+    } else {
+      MultiplyPiece<T, kBlockN, Config, kStages, kHalves, kClusterCtas>(
+          acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
+          num_steps, seq0, hand_off, lane, shared_h);
+    }
+    if (timeline != nullptr) timeline[1] = ptx::GlobalTimerNs();
+    const bool share = kShareLastEpilogue && args.share_last_epilogue;
+    // This consumer's wgmmas are done for good: the other one, owner of
+    // the CTA's last piece, may write into the ring (below).
+    if (share && j == pieces - 2) {
+      NamedBarrierArrive(kRingDrainedBarrier, 256);
+    }
+
+    const int64_t row0 = tile * kTileRows + warp * 16;
+    // Scored here: all columns, or the first half of the last piece's.
+    int own_columns = columns;
+    if (share && j == pieces - 1) {
+      own_columns = columns / 2;
+      // The ring is drained once the other consumer's wgmmas are done too
+      // (it handed the ring over on receiving its last stage, before its
+      // wgmmas read it): every stage was consumed and the producer has no
+      // more loads, so the W stages can hold this warp's staged quads.
+      if (pieces >= 2) ptx::NamedBarrier(kRingDrainedBarrier, 256);
+      float* shared_staging = reinterpret_cast<float*>(smem_a) +
+                              warp * kSharedQuads * kQuadStagingFloats;
+      // Quad kSharedQuads + q of a whole piece, or kSharedQuads / 2 + q of
+      // a half piece: a select between two unrolled constants (an index
+      // computed from own_columns here made ptxas spill the accumulators).
+#pragma unroll
+      for (int q = 0; q < kSharedQuads; ++q) {
+        if (q < own_columns / 16) {
+          float frags[2][2][4];
+          ReadBlockQuad(acc0, acc1,
+                        own_columns == kBlockN / 2 ? kSharedQuads + q
+                                                   : kSharedQuads / 2 + q,
+                        frags);
+          StageFragmentQuad(frags, shared_staging + q * kQuadStagingFloats);
+        }
+      }
+      NamedBarrierArrive(kShareBarrier, 256);
+    }
+    // Each CTA starts its items' scoring at another group of 16 columns
+    // (CTAs 2c and 2c + 1 share a start: with two batch tiles they score
+    // different rows). Sampled rows publish their candidates as the groups
+    // are scored (PublishFloor), so in the CTAs' first items -- scored at
+    // the same time everywhere, before any item has finished -- all but the
+    // first group already find floors from other CTAs' earlier groups.
+    const int quads = own_columns / 16;
+    const int first_quad = static_cast<int>((blockIdx.x >> 1) % quads);
+    for (int sample = 0; sample < args.num_samples; ++sample) {
+      for (int i = thread; i < kBlockN; i += 128) {
+        epilogue.best[i] = IdentityKey();
+      }
+      LoadFloorKeys(args, sample, batch_base, thread, 128, epilogue);
+      FillBlockWords(args, sample, tile, batch_base, thread, 128, epilogue);
+      ptx::NamedBarrier(epilogue_barrier, 128);
+      // Two n8 blocks (16 batch columns) of both m64 halves per call.
+      const auto quad_at = [first_quad, quads](int i) {
+        return first_quad + i < quads ? first_quad + i : first_quad + i - quads;
+      };
+#pragma unroll 1
+      for (int i = 0; i < quads; ++i) {
+        const int quad = quad_at(i);
+        // A column without a key at the item's start (a launch's first
+        // items) is read again at its call: by then other CTAs' calls may
+        // have published one, and a call without floors costs several with
+        // them.
+        unsigned long long key =
+            epilogue.floor_key[16 * quad + StagedLaneColumn()];
+        if (key == 0ull) {
+          key = StagedLaneKey(args, sample, batch_base, 16 * quad);
+        }
+        const float floor = FloorOfKey(key);
+        float frags[2][2][4];
+        ReadBlockQuad(acc0, acc1, quad, frags);
+        ScoreFragmentQuad(frags, row0, quad * 16, sample, sample == 0,
+                          batch_base, args, staging, epilogue, floor);
+      }
+      ptx::NamedBarrier(epilogue_barrier, 128);
+      StoreCandidates(args, tile, sample, batch_base, own_columns, thread, 128,
+                      epilogue, epilogue.floor_key);
+    }
+    if (timeline != nullptr) timeline[2] = ptx::GlobalTimerNs();
+  }
+  if (kShareLastEpilogue && args.share_last_epilogue &&
+      consumer != (pieces - 1) % 2) {
+    // The second half of the columns of the CTA's last piece, which the
+    // other consumer owns, from the quads it staged.
+    const WorkPiece piece = schedule.PieceAt(pieces - 1, blockIdx.x, gridDim.x);
+    const int half_columns = (piece.half ? kBlockN / 2 : kBlockN) / 2;
+    const int batch_base = piece.col0 + half_columns;
+    LoadColumnParams(args, batch_base, thread, 128, epilogue);
+    const float* shared_staging = reinterpret_cast<const float*>(smem_a) +
+                                  warp * kSharedQuads * kQuadStagingFloats;
+    const int64_t row0 = piece.tile * kTileRows + warp * 16;
+    ptx::NamedBarrier(kShareBarrier, 256);
+    for (int sample = 0; sample < args.num_samples; ++sample) {
+      for (int i = thread; i < kBlockN; i += 128) {
+        epilogue.best[i] = IdentityKey();
+      }
+      FillBlockWords(args, sample, piece.tile, batch_base, thread, 128,
+                     epilogue);
+      ptx::NamedBarrier(epilogue_barrier, 128);
+#pragma unroll 1
+      for (int q = 0; q < half_columns / 16; ++q) {
+        ScoreStagedQuad(
+            shared_staging + q * kQuadStagingFloats, row0, q * 16, sample,
+            sample == 0, batch_base, args, epilogue,
+            FloorOfKey(StagedLaneKey(args, sample, batch_base, q * 16)));
+      }
+      ptx::NamedBarrier(epilogue_barrier, 128);
+      StoreCandidates(args, piece.tile, sample, batch_base, half_columns,
+                      thread, 128, epilogue);
+    }
+  }
+  FinishInKernelReduce(
+      args, thread, 128, 2 * gridDim.x, &last_flags[consumer],
+      [epilogue_barrier] { ptx::NamedBarrier(epilogue_barrier, 128); });
+#endif  // FS_SM90A_ENABLED
+}
+
+// cudaOccupancyMaxActiveClusters for `kernel` launched with `config`,
+// asked once per device (a kernel's shared memory and cluster shape are
+// fixed, and the answer depends on nothing else here).
+template <typename Kernel>
+cudaError_t MaxActiveClusters(Kernel kernel, const cudaLaunchConfig_t& config,
+                              int* clusters) {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cache[kCachedDevices];  // 0: not asked yet
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  if (device >= 0 && device < kCachedDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached != 0) {
+      *clusters = cached - 1;
+      return cudaSuccess;
+    }
+  }
+  error = cudaOccupancyMaxActiveClusters(clusters, kernel, &config);
+  if (error != cudaSuccess) return error;
+  if (device >= 0 && device < kCachedDevices) {
+    cache[device].store(*clusters + 1, std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
+
+// tensor_map_h points at two maps of H: kBlockN-row boxes, then
+// kBlockN / 2-row boxes (the split last round's half pieces, and each CTA's
+// share of a multicast).
+template <typename T, int kBlockN, int kStages, int kHalves>
+cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
+                              const void* tensor_map_h, int grid,
+                              cudaStream_t stream) {
+  using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
+  const int64_t tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
+  const int64_t batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
+  const int64_t items = tiles * batch_tiles;
+  const int ctas = static_cast<int>(items < grid ? items : grid);
+  const CUtensorMap* maps_h = static_cast<const CUtensorMap*>(tensor_map_h);
+  const CUtensorMap& map_w = *static_cast<const CUtensorMap*>(tensor_map_w);
+  if constexpr (kBlockN == 128) {
+    if (args.multicast_h && batch_tiles == 1 && ctas % 2 == 0) {
+      auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, 2>;
+      cudaError_t error = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          static_cast<int>(Config::kSmemBytes));
+      if (error != cudaSuccess) return error;
+      cudaLaunchAttribute cluster;
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 2;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(static_cast<unsigned>(ctas));
+      config.blockDim = dim3(Config::kThreads);
+      config.dynamicSmemBytes = Config::kSmemBytes;
+      config.stream = stream;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      // The persistent grid needs every pair resident at once; where the
+      // GPCs cannot hold ctas / 2 pairs, the plain kernel runs instead.
+      int max_clusters = 0;
+      error = MaxActiveClusters(kernel, config, &max_clusters);
+      if (error != cudaSuccess) return error;
+      if (2 * max_clusters >= ctas) {
+        return cudaLaunchKernelEx(&config, kernel, map_w, maps_h[0], maps_h[1],
+                                  args);
+      }
+    }
+  }
+  auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, 1>;
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(Config::kSmemBytes));
+  if (error != cudaSuccess) return error;
+  kernel<<<ctas, Config::kThreads, Config::kSmemBytes, stream>>>(
+      map_w, maps_h[0], maps_h[1], args);
+  return cudaGetLastError();
+}
+
+// Ring depth per (kBlockN, kHalves): as many stages as fit next to the two
+// consumers' epilogue buffers in 227 KB, e.g. 10 x (16 + 2) KB for
+// kBlockN = 16 keeps 160 KB of W in flight per SM (HBM needs ~33 GB/s x
+// ~2 us per SM).
+template <int kBlockN, int kHalves>
+struct WgmmaTileConfig {
+  static constexpr int kStages =
+      (192 * 1024) / ((kTileRows + kBlockN) * kBlockK * 2 * kHalves);
+};
+
+template <DTypeTag kDType, int kBlockN, int kHalves>
+cudaError_t LaunchWgmma(const FusedArgs& args, const void* tensor_map_w,
+                        const void* tensor_map_h, int grid,
+                        cudaStream_t stream) {
+  using T = typename ElementOf<kDType>::Type;
+  return LaunchWgmmaKernel<T, kBlockN,
+                           WgmmaTileConfig<kBlockN, kHalves>::kStages, kHalves>(
+      args, tensor_map_w, tensor_map_h, grid, stream);
+}
+
+}  // namespace fused
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_

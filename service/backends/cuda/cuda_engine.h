@@ -1,0 +1,57 @@
+// The CUDA backend: W sharded by vocabulary rows over one or more GPUs, the
+// fused stage-1 kernel on every rank writing its candidates straight into
+// the reducing rank's buffer through kernels/tp/tp_exchange.h (NCCL's device
+// API, or CUDA peer access), stage 2 on rank 0, token ids back to the host.
+// One GPU reduces inside the stage-1 kernel. Slots have their own pinned
+// staging, streams and exchange so that two batches overlap.
+#ifndef FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CUDA_ENGINE_H_
+#define FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CUDA_ENGINE_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "service/backends/engine.h"
+#include "service/weights/weights.h"
+
+namespace flashsampler {
+
+// How tensor-parallel ranks hand their candidates to rank 0.
+enum class CudaTpTransport {
+  kAuto,        // NCCL's device API; CUDA peer access if it cannot be set up
+  kNcclDevice,  // NCCL's device API, or fail
+  kCudaPeer,    // CUDA peer access
+};
+
+struct CudaEngineOptions {
+  // CUDA ordinals, one per tensor-parallel rank (rank 0 reduces); empty =
+  // every visible device.
+  std::vector<int> devices;
+  // Largest batch one Sample() takes (1 .. 256, the fused kernel's limit).
+  int max_batch_rows = 256;
+  // Batches in flight at once, each with its own staging and streams.
+  int slots = 2;
+  CudaTpTransport tp_transport = CudaTpTransport::kAuto;
+};
+
+// Number of usable CUDA devices; 0 when there is no GPU or no driver. Never
+// aborts (the CPU backend serves then).
+int CudaDeviceCount();
+
+// Uploads each rank's shard of `weights` (bf16 or fp16; D a multiple of 64)
+// and allocates every workspace. Errors: INVALID_ARGUMENT for weights or
+// options the backend cannot serve, FAILED_PRECONDITION when ranks lack peer
+// access to rank 0, RESOURCE_EXHAUSTED when device memory runs out,
+// UNAVAILABLE for a device that cannot run at all.
+absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(
+    std::shared_ptr<const Weights> weights, const CudaEngineOptions& options);
+
+// For tests of the failure path: makes every tensor-parallel barrier of
+// `engine` (made by CreateCudaEngine) return at once as aborted, as a rank
+// that stopped answering would after the barrier timeout. Returns false for
+// an engine with one GPU (no barrier) or not made by CreateCudaEngine.
+bool AbortCudaEngineBarriersForTest(Engine* engine);
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CUDA_ENGINE_H_

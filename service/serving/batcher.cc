@@ -1,0 +1,281 @@
+// Batcher implementation. The queue is FIFO and a batch takes requests from
+// its head only, so a large request cannot be starved by small ones that
+// would fit around it. All engine work happens outside the lock.
+#include "service/serving/batcher.h"
+
+#include <algorithm>
+#include <iterator>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype_convert.h"
+
+namespace flashsampler {
+
+namespace {
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+// The status of one request from its rows: OK, or INVALID_ARGUMENT naming
+// the request's first failed row (row indices are the request's own).
+absl::Status RowErrors(const std::vector<RowResult>& rows) {
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (!rows[r].error.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("row ", r, ": ", rows[r].error));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Batcher::Batcher(Engine* engine, const BatcherOptions& options,
+                 Metrics* metrics,
+                 std::function<void(const absl::Status&)> on_fatal)
+    : engine_(engine),
+      metrics_(metrics),
+      on_fatal_(std::move(on_fatal)),
+      max_batch_rows_(std::max(1, std::min(options.max_batch_rows,
+                                           engine->info().max_batch_rows > 0
+                                               ? engine->info().max_batch_rows
+                                               : options.max_batch_rows))),
+      max_queue_rows_(options.max_queue_rows),
+      input_row_bytes_(engine->info().hidden_size *
+                       DTypeSize(engine->info().input_dtype)) {}
+
+Batcher::~Batcher() { Stop(); }
+
+void Batcher::Start() {
+  absl::MutexLock stop_lock(&stop_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_ != State::kLoading) return;
+    state_ = State::kAccepting;
+  }
+  for (int slot = 0; slot < engine_->max_slots(); ++slot) {
+    workers_.emplace_back([this, slot] { WorkerLoop(slot); });
+  }
+}
+
+absl::Status Batcher::Submit(std::unique_ptr<BatchItem> item) {
+  absl::MutexLock lock(&mu_);
+  if (failed_) return fatal_status_;
+  switch (state_) {
+    case State::kLoading:
+      return absl::UnavailableError("server is loading; retry later");
+    case State::kDraining:
+    case State::kStopped:
+      return absl::UnavailableError(
+          "server is draining (shutting down); retry on another replica");
+    case State::kAccepting:
+      break;
+  }
+  if (item->rows < 1 || item->rows > max_batch_rows_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_states.shape[0]: B must be in [1, ",
+                     max_batch_rows_, "], got ", item->rows));
+  }
+  if (queued_rows_ + item->rows > max_queue_rows_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue full: ", queued_rows_, " rows queued, this request adds ",
+        item->rows, ", limit max_queue_rows = ", max_queue_rows_,
+        "; retry with backoff"));
+  }
+  item->enqueued_ = absl::Now();
+  queued_rows_ += item->rows;
+  queue_.push_back(std::move(item));
+  metrics_->SetQueueRows(queued_rows_);
+  work_cv_.Signal();
+  return absl::OkStatus();
+}
+
+void Batcher::StopAccepting() {
+  absl::MutexLock lock(&mu_);
+  if (state_ == State::kAccepting || state_ == State::kLoading) {
+    state_ = State::kDraining;
+  }
+}
+
+bool Batcher::WaitIdle(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  while (!queue_.empty() || running_ > 0) {
+    if (idle_cv_.WaitWithDeadline(&mu_, deadline)) {
+      return queue_.empty() && running_ == 0;
+    }
+  }
+  return true;
+}
+
+void Batcher::Stop() {
+  absl::MutexLock stop_lock(&stop_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    state_ = State::kStopped;
+    work_cv_.SignalAll();
+  }
+  // Workers leave only once the queue is empty, so every accepted item gets
+  // its Done() before Stop() returns.
+  for (std::thread& worker : workers_) worker.join();
+  workers_.clear();
+}
+
+bool Batcher::failed() const {
+  absl::MutexLock lock(&mu_);
+  return failed_;
+}
+
+void Batcher::WorkerLoop(int slot) {
+  for (;;) {
+    std::vector<std::unique_ptr<BatchItem>> items;
+    {
+      absl::MutexLock lock(&mu_);
+      while (queue_.empty() && state_ != State::kStopped) work_cv_.Wait(&mu_);
+      if (queue_.empty()) return;  // stopped and drained
+      int rows = 0;
+      while (!queue_.empty() &&
+             rows + queue_.front()->rows <= max_batch_rows_) {
+        rows += queue_.front()->rows;
+        items.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+      queued_rows_ -= rows;
+      ++running_;
+      metrics_->SetQueueRows(queued_rows_);
+      // Another slot may take what is left.
+      if (!queue_.empty()) work_cv_.Signal();
+    }
+    RunBatch(slot, std::move(items));
+    absl::MutexLock lock(&mu_);
+    --running_;
+    if (queue_.empty() && running_ == 0) idle_cv_.SignalAll();
+  }
+}
+
+void Batcher::RunBatch(int slot,
+                       std::vector<std::unique_ptr<BatchItem>> items) {
+  // Deadlines and cancellation are honoured before launch: such rows are not
+  // computed. The deadline is checked first because gRPC also marks an
+  // expired call cancelled, and DEADLINE_EXCEEDED is the better answer.
+  const absl::Time launch = absl::Now();
+  std::vector<std::unique_ptr<BatchItem>> kept;
+  kept.reserve(items.size());
+  for (std::unique_ptr<BatchItem>& item : items) {
+    BatchTiming timing;
+    timing.queue_seconds = Seconds(launch - item->enqueued_);
+    if (item->deadline <= launch) {
+      item->Done(absl::DeadlineExceededError(absl::StrCat(
+                     "deadline passed after ", timing.queue_seconds,
+                     " s in the queue, before the batch launched")),
+                 {}, timing);
+    } else if (item->IsCancelled()) {
+      item->Done(absl::CancelledError("cancelled by the client before launch"),
+                 {}, timing);
+    } else {
+      kept.push_back(std::move(item));
+    }
+  }
+  if (kept.empty()) return;
+  {
+    absl::Status fatal;
+    {
+      absl::MutexLock lock(&mu_);
+      if (failed_) fatal = fatal_status_;
+    }
+    if (!fatal.ok()) {
+      for (std::unique_ptr<BatchItem>& item : kept) {
+        BatchTiming timing;
+        timing.queue_seconds = Seconds(launch - item->enqueued_);
+        item->Done(fatal, {}, timing);
+      }
+      return;
+    }
+  }
+
+  // Gather the rows into the slot's input buffer in the engine's dtype.
+  const EngineInfo& info = engine_->info();
+  char* input = static_cast<char*>(engine_->slot_input(slot));
+  std::vector<RowSpec> specs;
+  int rows = 0;
+  for (const std::unique_ptr<BatchItem>& item : kept) {
+    ConvertDType(item->dtype, item->hidden,
+                 static_cast<size_t>(item->rows) * info.hidden_size,
+                 info.input_dtype, input + rows * input_row_bytes_);
+    specs.insert(specs.end(), item->specs, item->specs + item->rows);
+    rows += item->rows;
+    metrics_->ObserveQueueWait(Seconds(launch - item->enqueued_));
+  }
+
+  BatchView view;
+  view.slot = slot;
+  view.rows = rows;
+  view.specs = specs.data();
+  std::vector<RowResult> results;
+  metrics_->AddBatchesInFlight(1);
+  const absl::Time start = absl::Now();
+  absl::Status status = engine_->Sample(view, &results);
+  const absl::Time end = absl::Now();
+  metrics_->AddBatchesInFlight(-1);
+  if (status.ok() && static_cast<int>(results.size()) != rows) {
+    status = absl::InternalError(absl::StrCat(
+        "engine returned ", results.size(), " results for ", rows, " rows"));
+  }
+  if (status.ok()) {
+    metrics_->ObserveBatch(rows, Seconds(end - start));
+    for (const RowResult& row : results) {
+      if (row.exact_fallback != nullptr) {
+        metrics_->CountExactFallback(row.exact_fallback, 1);
+      }
+    }
+  }
+  // UNAVAILABLE from the engine means the device is gone (DESIGN.md): stop
+  // sending it work, fail what waits, and flip health, all before this
+  // batch's callers hear back, so a caller that sees UNAVAILABLE also sees
+  // NOT_SERVING.
+  if (absl::IsUnavailable(status)) FailAll(status);
+
+  int offset = 0;
+  for (std::unique_ptr<BatchItem>& item : kept) {
+    BatchTiming timing;
+    timing.queue_seconds = Seconds(start - item->enqueued_);
+    timing.execute_seconds = Seconds(end - start);
+    timing.batch_rows = rows;
+    if (status.ok()) {
+      std::vector<RowResult> mine(
+          std::make_move_iterator(results.begin() + offset),
+          std::make_move_iterator(results.begin() + offset + item->rows));
+      const absl::Status row_status = RowErrors(mine);  // before the move
+      item->Done(row_status, std::move(mine), timing);
+    } else {
+      item->Done(status, {}, timing);
+    }
+    offset += item->rows;
+  }
+}
+
+void Batcher::FailAll(const absl::Status& status) {
+  std::deque<std::unique_ptr<BatchItem>> queued;
+  bool first = false;
+  const absl::Status fatal = absl::UnavailableError(
+      absl::StrCat("engine failed, server is not serving: ", status.message()));
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_) {
+      failed_ = true;
+      fatal_status_ = fatal;
+      first = true;
+    }
+    queued.swap(queue_);
+    queued_rows_ = 0;
+    metrics_->SetQueueRows(0);
+  }
+  const absl::Time now = absl::Now();
+  for (std::unique_ptr<BatchItem>& item : queued) {
+    BatchTiming timing;
+    timing.queue_seconds = Seconds(now - item->enqueued_);
+    item->Done(fatal, {}, timing);
+  }
+  if (first && on_fatal_) on_fatal_(fatal);
+}
+
+}  // namespace flashsampler

@@ -1,0 +1,123 @@
+// The batcher: a queue bounded in rows between the gRPC handlers and the
+// engine. One worker thread per engine slot takes whatever is queued the
+// moment its slot is free (up to max_batch_rows, never splitting a request),
+// drops requests that expired or were cancelled while queued, launches one
+// engine batch and hands each request its own rows back.
+#ifndef FLASHSAMPLER_SERVICE_SERVING_BATCHER_H_
+#define FLASHSAMPLER_SERVICE_SERVING_BATCHER_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "service/backends/engine.h"
+#include "service/backends/sampling_params.h"
+#include "service/serving/metrics.h"
+#include "service/serving/server_options.h"
+
+namespace flashsampler {
+
+// Where a request's rows went, returned to the caller in SampleResponse.
+struct BatchTiming {
+  double queue_seconds = 0;    // accepted -> batch launched
+  double execute_seconds = 0;  // batch launched -> results ready
+  int batch_rows = 0;          // rows of the batch it rode in
+};
+
+// One request's rows waiting for a batch. The caller keeps `hidden` and
+// `specs` valid until Done() has been called.
+class BatchItem {
+ public:
+  virtual ~BatchItem() = default;
+
+  // True when the caller went away; its rows are then not computed.
+  virtual bool IsCancelled() const { return false; }
+  // Called exactly once, on a batcher thread, for every item Submit()
+  // accepted: OK with `rows` results, or the reason the rows were not
+  // sampled. The batcher destroys the item right after.
+  virtual void Done(const absl::Status& status, std::vector<RowResult> results,
+                    const BatchTiming& timing) = 0;
+
+  int rows = 0;
+  DType dtype = DType::kFp32;      // dtype of `hidden`
+  const void* hidden = nullptr;    // rows x D elements
+  const RowSpec* specs = nullptr;  // rows entries
+  absl::Time deadline = absl::InfiniteFuture();
+
+ private:
+  friend class Batcher;
+  absl::Time enqueued_;
+};
+
+class Batcher {
+ public:
+  // `engine` and `metrics` must outlive the batcher. `on_fatal` runs once, on
+  // a worker thread, when the engine reports a fatal device error
+  // (UNAVAILABLE): from then on every queued and later request fails with
+  // UNAVAILABLE instead of reaching the engine.
+  Batcher(Engine* engine, const BatcherOptions& options, Metrics* metrics,
+          std::function<void(const absl::Status&)> on_fatal);
+  ~Batcher();  // Stop()
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+
+  // Starts one worker per engine slot; Submit() accepts from then on (before,
+  // it answers UNAVAILABLE "loading").
+  void Start();
+
+  // Queues `item`. On error the item is not queued and Done() is not called:
+  // UNAVAILABLE (loading, draining, device failed), RESOURCE_EXHAUSTED (the
+  // queue would exceed max_queue_rows), INVALID_ARGUMENT (more rows than one
+  // batch holds).
+  absl::Status Submit(std::unique_ptr<BatchItem> item);
+
+  // Later Submit() calls get UNAVAILABLE "draining"; queued work still runs.
+  void StopAccepting();
+  // Blocks until nothing is queued or running, or `deadline`; true if idle.
+  bool WaitIdle(absl::Time deadline);
+  // StopAccepting(), runs everything still queued, joins the workers.
+  // Idempotent.
+  void Stop();
+
+  // Rows of the largest batch (options clamped to the engine's limit).
+  int max_batch_rows() const { return max_batch_rows_; }
+  // True after a fatal engine error.
+  bool failed() const;
+
+ private:
+  enum class State { kLoading, kAccepting, kDraining, kStopped };
+
+  void WorkerLoop(int slot);
+  void RunBatch(int slot, std::vector<std::unique_ptr<BatchItem>> items);
+  void FailAll(const absl::Status& status);
+
+  Engine* const engine_;
+  Metrics* const metrics_;
+  const std::function<void(const absl::Status&)> on_fatal_;
+  const int max_batch_rows_;
+  const int64_t max_queue_rows_;
+  const size_t input_row_bytes_;  // D x sizeof(engine input dtype)
+
+  mutable absl::Mutex mu_;
+  absl::CondVar work_cv_;  // queue non-empty or stopping
+  absl::CondVar idle_cv_;  // queue empty and nothing running
+  State state_ ABSL_GUARDED_BY(mu_) = State::kLoading;
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status fatal_status_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::unique_ptr<BatchItem>> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::thread> workers_;  // touched only by Start()/Stop()
+  absl::Mutex stop_mu_;               // serializes Stop()
+};
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_SERVICE_SERVING_BATCHER_H_

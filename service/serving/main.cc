@@ -1,0 +1,170 @@
+// flashsamplerd: parses flags into ServerOptions, serves until SIGTERM or
+// SIGINT, then drains (server.h) and returns 0. The signals are blocked in
+// every thread and taken synchronously with sigwait() in main, so no code
+// runs in a signal handler.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "service/serving/server.h"
+#include "service/serving/server_options.h"
+
+namespace {
+
+const flashsampler::ServerOptions kDefaults;
+
+}  // namespace
+
+ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
+          "gRPC listen address host:port (port 0 = any free port)");
+ABSL_FLAG(int, metrics_port, kDefaults.metrics_port,
+          "Prometheus /metrics port; 0 = no metrics endpoint");
+ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
+          "Address the metrics endpoint binds");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain (TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require and verify client certificates (mTLS)");
+ABSL_FLAG(absl::Duration, keepalive_time, kDefaults.keepalive.time,
+          "Ping a connection after this much silence");
+ABSL_FLAG(absl::Duration, keepalive_timeout, kDefaults.keepalive.timeout,
+          "Close a connection whose ping is not acknowledged by then");
+ABSL_FLAG(absl::Duration, keepalive_min_client_ping_interval,
+          kDefaults.keepalive.min_client_ping_interval,
+          "Shortest client ping interval tolerated");
+ABSL_FLAG(int, max_batch_rows, kDefaults.batcher.max_batch_rows,
+          "Most rows per engine batch and per request");
+ABSL_FLAG(int64_t, max_queue_rows, kDefaults.batcher.max_queue_rows,
+          "Rows that may wait for a batch; beyond: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_stream_in_flight, kDefaults.max_stream_in_flight,
+          "Requests of one SampleStream accepted but not yet answered");
+ABSL_FLAG(int, max_samples_per_row, kDefaults.limits.max_samples_per_row,
+          "Largest SamplingParams.n");
+ABSL_FLAG(int, max_top_logprobs, kDefaults.limits.max_top_logprobs,
+          "Largest LogprobOptions.top_logprobs");
+ABSL_FLAG(absl::Duration, drain_timeout, kDefaults.drain_timeout,
+          "On SIGTERM: time accepted requests get to finish");
+ABSL_FLAG(std::string, weights, kDefaults.weights.source,
+          "LM-head weights: a .safetensors file, a "
+          "model.safetensors.index.json, a directory, or "
+          "synthetic:vocab=V,hidden=D,seed=S[,dtype=bf16|fp16|fp32]");
+ABSL_FLAG(std::string, weights_tensor, kDefaults.weights.tensor_name,
+          "Tensor name (default lm_head.weight, else "
+          "model.embed_tokens.weight)");
+ABSL_FLAG(std::string, weights_dtype, kDefaults.weights.expected_dtype,
+          "Refuse weights of another dtype (bf16, fp16, fp32; empty = any)");
+ABSL_FLAG(std::string, backend, kDefaults.backend,
+          "auto (cuda when a GPU is visible), cpu or cuda");
+ABSL_FLAG(int, cpu_threads, kDefaults.cpu_threads,
+          "CPU backend threads; 0 = hardware concurrency");
+ABSL_FLAG(int64_t, cpu_chunk_rows, kDefaults.cpu_chunk_rows,
+          "CPU backend vocabulary rows per chunk");
+ABSL_FLAG(int, cpu_slots, kDefaults.cpu_slots, "CPU backend batches in flight");
+ABSL_FLAG(int, tp, kDefaults.tp,
+          "CUDA backend: GPUs to split the vocabulary over; 0 = all");
+ABSL_FLAG(int, cuda_slots, kDefaults.cuda_slots,
+          "CUDA backend batches in flight");
+ABSL_FLAG(std::string, tp_transport, kDefaults.tp_transport,
+          "tensor parallel (--tp > 1): auto (NCCL device API, else CUDA peer "
+          "access), nccl, or peer");
+ABSL_FLAG(int, warmup_rows, kDefaults.warmup_rows,
+          "Rows of the warm-up batch run before SERVING");
+
+namespace {
+
+flashsampler::ServerOptions OptionsFromFlags() {
+  flashsampler::ServerOptions o;
+  o.listen_address = absl::GetFlag(FLAGS_listen_address);
+  o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  o.tls.cert_path = absl::GetFlag(FLAGS_tls_cert);
+  o.tls.key_path = absl::GetFlag(FLAGS_tls_key);
+  o.tls.client_ca_path = absl::GetFlag(FLAGS_tls_client_ca);
+  o.keepalive.time = absl::GetFlag(FLAGS_keepalive_time);
+  o.keepalive.timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  o.keepalive.min_client_ping_interval =
+      absl::GetFlag(FLAGS_keepalive_min_client_ping_interval);
+  o.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
+  o.batcher.max_queue_rows = absl::GetFlag(FLAGS_max_queue_rows);
+  o.max_stream_in_flight = absl::GetFlag(FLAGS_max_stream_in_flight);
+  o.limits.max_samples_per_row = absl::GetFlag(FLAGS_max_samples_per_row);
+  o.limits.max_top_logprobs = absl::GetFlag(FLAGS_max_top_logprobs);
+  o.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  o.weights.source = absl::GetFlag(FLAGS_weights);
+  o.weights.tensor_name = absl::GetFlag(FLAGS_weights_tensor);
+  o.weights.expected_dtype = absl::GetFlag(FLAGS_weights_dtype);
+  o.backend = absl::GetFlag(FLAGS_backend);
+  o.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  o.cpu_chunk_rows = absl::GetFlag(FLAGS_cpu_chunk_rows);
+  o.cpu_slots = absl::GetFlag(FLAGS_cpu_slots);
+  o.tp = absl::GetFlag(FLAGS_tp);
+  o.cuda_slots = absl::GetFlag(FLAGS_cuda_slots);
+  o.tp_transport = absl::GetFlag(FLAGS_tp_transport);
+  o.warmup_rows = absl::GetFlag(FLAGS_warmup_rows);
+  return o;
+}
+
+// The only logger: one line per lifecycle event on stderr.
+void Log(const std::string& line) {
+  std::fprintf(stderr, "flashsamplerd: %s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Block before any thread exists so every thread inherits the mask and
+  // the signals stay pending for sigwait() below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  absl::SetProgramUsageMessage(
+      "flashsamplerd: LM-head sampling daemon (hidden states in, token ids "
+      "out) over gRPC. See docs/api.md.");
+  absl::ParseCommandLine(argc, argv);
+  const flashsampler::ServerOptions options = OptionsFromFlags();
+
+  Log(absl::StrCat("loading weights from ", options.weights.source));
+  auto server = flashsampler::Server::Create(options);
+  if (!server.ok()) {
+    Log(absl::StrCat("startup failed: ", server.status().ToString()));
+    return 1;
+  }
+  const flashsampler::EngineInfo& info = (*server)->engine_info();
+  Log(absl::StrCat(
+      "backend ", info.backend, ", V=", info.vocab_size,
+      ", D=", info.hidden_size, ", weights ",
+      flashsampler::DTypeName(info.weight_dtype), ", tp ", info.shards.size(),
+      info.tp_transport.empty() ? ""
+                                : absl::StrCat(" over ", info.tp_transport)));
+  if (absl::Status s = (*server)->Start(); !s.ok()) {
+    Log(absl::StrCat("startup failed: ", s.ToString()));
+    return 1;
+  }
+  Log(absl::StrCat("serving on port ", (*server)->port(), " (",
+                   options.listen_address, ")"));
+  if ((*server)->metrics_port() != 0) {
+    Log(absl::StrCat("metrics on http://", options.metrics_address, ":",
+                     (*server)->metrics_port(), "/metrics"));
+  }
+
+  int signal_number = 0;
+  while (sigwait(&stop_signals, &signal_number) != 0) {
+  }
+  Log(absl::StrCat("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
+                   "; draining (up to ",
+                   absl::FormatDuration(options.drain_timeout), ")"));
+  (*server)->Stop();
+  Log("stopped");
+  return 0;
+}

@@ -1,0 +1,445 @@
+// Validation of SampleRequest and encoding of SampleResponse. Every check
+// names the field the way a caller wrote it ("row_params[3].top_p") and the
+// value expected, because a message like "invalid argument" costs an
+// integration engineer an afternoon.
+#include "service/serving/request_codec.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/dtype_convert.h"
+
+namespace flashsampler {
+
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view expected) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", expected));
+}
+
+// Formats a float so that NaN and infinities read plainly in messages.
+std::string FloatStr(float v) { return absl::StrFormat("%g", v); }
+
+absl::StatusOr<DType> FromProtoDType(int dtype) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+      return DType::kBf16;
+    case v1::DTYPE_FP16:
+      return DType::kFp16;
+    case v1::DTYPE_FP32:
+      return DType::kFp32;
+    default:
+      return Invalid(
+          "hidden_states.dtype",
+          absl::StrCat("must be DTYPE_BF16, DTYPE_FP16 or "
+                       "DTYPE_FP32, got ",
+                       dtype == 0 ? "DTYPE_UNSPECIFIED" : absl::StrCat(dtype)));
+  }
+}
+
+absl::Status CheckTokenId(const std::string& field, int64_t token_id,
+                          int64_t vocab_size) {
+  if (token_id < 0 || token_id >= vocab_size) {
+    return Invalid(field, absl::StrCat("token id must be in [0, ", vocab_size,
+                                       "), got ", token_id));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFinite(const std::string& field, float v) {
+  if (!std::isfinite(v)) {
+    return Invalid(field, absl::StrCat("must be finite, got ", FloatStr(v)));
+  }
+  return absl::OkStatus();
+}
+
+// Validates one SamplingParams message (field names prefixed by `prefix`,
+// e.g. "params" or "row_params[2]") and converts it.
+absl::Status DecodeParams(const v1::SamplingParams& in,
+                          const std::string& prefix, const CodecConfig& config,
+                          SamplingParams* out) {
+  const int64_t vocab = config.vocab_size;
+  const auto field = [&prefix](absl::string_view name) {
+    return absl::StrCat(prefix, ".", name);
+  };
+
+  out->temperature = in.has_temperature() ? in.temperature() : 1.0f;
+  if (!std::isfinite(out->temperature) || out->temperature < 0.0f) {
+    return Invalid(field("temperature"),
+                   absl::StrCat("must be finite and >= 0 (0 = greedy), got ",
+                                FloatStr(out->temperature)));
+  }
+  out->top_k = in.top_k();
+  if (out->top_k < 0) {
+    return Invalid(field("top_k"),
+                   absl::StrCat("must be >= 0 (0 = off), got ", out->top_k));
+  }
+  out->top_p = in.has_top_p() ? in.top_p() : 1.0f;
+  if (!(out->top_p > 0.0f && out->top_p <= 1.0f)) {
+    return Invalid(field("top_p"),
+                   absl::StrCat("must be in (0, 1] (1 = off), got ",
+                                FloatStr(out->top_p)));
+  }
+  out->min_p = in.min_p();
+  if (!(out->min_p >= 0.0f && out->min_p <= 1.0f)) {
+    return Invalid(field("min_p"),
+                   absl::StrCat("must be in [0, 1] (0 = off), got ",
+                                FloatStr(out->min_p)));
+  }
+
+  out->logit_bias.clear();
+  out->logit_bias.reserve(in.logit_bias_size());
+  for (int i = 0; i < in.logit_bias_size(); ++i) {
+    const v1::TokenBias& b = in.logit_bias(i);
+    const std::string name = field(absl::StrCat("logit_bias[", i, "]"));
+    if (absl::Status s = CheckTokenId(name + ".token_id", b.token_id(), vocab);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = CheckFinite(name + ".bias", b.bias()); !s.ok()) {
+      return s;
+    }
+    out->logit_bias.push_back({b.token_id(), b.bias()});
+  }
+
+  out->banned_token_ids.assign(in.banned_token_ids().begin(),
+                               in.banned_token_ids().end());
+  for (size_t i = 0; i < out->banned_token_ids.size(); ++i) {
+    if (absl::Status s =
+            CheckTokenId(field(absl::StrCat("banned_token_ids[", i, "]")),
+                         out->banned_token_ids[i], vocab);
+        !s.ok()) {
+      return s;
+    }
+  }
+
+  const int64_t mask_words = (vocab + 31) / 32;
+  if (in.allowed_token_bitmask_size() != 0 &&
+      in.allowed_token_bitmask_size() != mask_words) {
+    return Invalid(field("allowed_token_bitmask"),
+                   absl::StrCat("must be empty or hold ceil(V / 32) = ",
+                                mask_words, " int32 words (V = ", vocab,
+                                "), got ", in.allowed_token_bitmask_size()));
+  }
+  out->allowed_bitmask.assign(in.allowed_token_bitmask().begin(),
+                              in.allowed_token_bitmask().end());
+  // Sampling from an empty set has no answer: refuse masks (with the banned
+  // ids) that leave no token in [0, V).
+  if (!out->allowed_bitmask.empty() || !out->banned_token_ids.empty()) {
+    std::vector<uint32_t> allowed = out->allowed_bitmask;
+    if (allowed.empty()) allowed.assign(mask_words, ~0u);
+    if (vocab % 32 != 0) allowed.back() &= (1u << (vocab % 32)) - 1u;
+    for (int32_t id : out->banned_token_ids) {
+      allowed[id / 32] &= ~(1u << (id % 32));
+    }
+    bool any = false;
+    for (uint32_t w : allowed) any = any || w != 0;
+    if (!any) {
+      return Invalid(
+          field(out->allowed_bitmask.empty() ? "banned_token_ids"
+                                             : "allowed_token_bitmask"),
+          "must leave at least one token of the vocabulary allowed");
+    }
+  }
+
+  out->repetition_penalty =
+      in.has_repetition_penalty() ? in.repetition_penalty() : 1.0f;
+  if (!std::isfinite(out->repetition_penalty) ||
+      out->repetition_penalty <= 0.0f) {
+    return Invalid(field("repetition_penalty"),
+                   absl::StrCat("must be finite and > 0 (1 = off), got ",
+                                FloatStr(out->repetition_penalty)));
+  }
+  out->presence_penalty = in.presence_penalty();
+  if (absl::Status s =
+          CheckFinite(field("presence_penalty"), out->presence_penalty);
+      !s.ok()) {
+    return s;
+  }
+  out->frequency_penalty = in.frequency_penalty();
+  if (absl::Status s =
+          CheckFinite(field("frequency_penalty"), out->frequency_penalty);
+      !s.ok()) {
+    return s;
+  }
+
+  out->prompt_token_ids.assign(in.prompt_token_ids().begin(),
+                               in.prompt_token_ids().end());
+  for (size_t i = 0; i < out->prompt_token_ids.size(); ++i) {
+    if (absl::Status s =
+            CheckTokenId(field(absl::StrCat("prompt_token_ids[", i, "]")),
+                         out->prompt_token_ids[i], vocab);
+        !s.ok()) {
+      return s;
+    }
+  }
+  out->output_token_counts.clear();
+  out->output_token_counts.reserve(in.output_token_counts_size());
+  for (int i = 0; i < in.output_token_counts_size(); ++i) {
+    const v1::TokenCount& c = in.output_token_counts(i);
+    const std::string name =
+        field(absl::StrCat("output_token_counts[", i, "]"));
+    if (absl::Status s = CheckTokenId(name + ".token_id", c.token_id(), vocab);
+        !s.ok()) {
+      return s;
+    }
+    if (c.count() < 1) {
+      return Invalid(name + ".count",
+                     absl::StrCat("must be >= 1, got ", c.count()));
+    }
+    out->output_token_counts.push_back({c.token_id(), c.count()});
+  }
+
+  out->n = in.has_n() ? in.n() : 1;
+  if (out->n < 1 || out->n > config.limits.max_samples_per_row) {
+    return Invalid(field("n"), absl::StrCat("must be in [1, ",
+                                            config.limits.max_samples_per_row,
+                                            "], got ", out->n));
+  }
+
+  const v1::LogprobOptions& lp = in.logprobs();
+  if (lp.top_logprobs() < 0 ||
+      lp.top_logprobs() > config.limits.max_top_logprobs) {
+    return Invalid(
+        field("logprobs.top_logprobs"),
+        absl::StrCat("must be in [0, ", config.limits.max_top_logprobs,
+                     "], got ", lp.top_logprobs()));
+  }
+  if (lp.space() != v1::LogprobOptions::PROCESSED &&
+      lp.space() != v1::LogprobOptions::RAW) {
+    return Invalid(field("logprobs.space"),
+                   absl::StrCat("must be PROCESSED (0) or RAW (1), got ",
+                                static_cast<int>(lp.space())));
+  }
+  out->logprobs.sampled = lp.sampled_logprob();
+  out->logprobs.logsumexp = lp.row_logsumexp();
+  out->logprobs.top_n = lp.top_logprobs();
+  out->logprobs.raw = lp.space() == v1::LogprobOptions::RAW;
+  return absl::OkStatus();
+}
+
+bool SameLogprobs(const LogprobRequest& a, const LogprobRequest& b) {
+  return a.sampled == b.sampled && a.logsumexp == b.logsumexp &&
+         a.top_n == b.top_n && a.raw == b.raw;
+}
+
+// Finds the first row of `data` ([rows, hidden] of `dtype`) that is not
+// finite, or -1. When the engine computes in a narrower dtype, a value that
+// is finite on the wire but overflows in the conversion counts as non-finite.
+int FirstNonFiniteRow(DType dtype, const void* data, int rows, int64_t hidden,
+                      DType input_dtype) {
+  const size_t row_bytes = hidden * DTypeSize(dtype);
+  const bool narrows = input_dtype != DType::kFp32 && dtype != input_dtype;
+  std::vector<uint16_t> converted(narrows ? hidden : 0);
+  for (int r = 0; r < rows; ++r) {
+    const void* row = static_cast<const char*>(data) + r * row_bytes;
+    if (!AllFinite(dtype, row, hidden)) return r;
+    if (narrows) {
+      ConvertDType(dtype, row, hidden, input_dtype, converted.data());
+      if (!AllFinite(input_dtype, converted.data(), hidden)) return r;
+    }
+  }
+  return -1;
+}
+
+absl::BitGen& ThreadBitGen() {
+  thread_local absl::BitGen gen;
+  return gen;
+}
+
+}  // namespace
+
+absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
+                                 const CodecConfig& config,
+                                 DecodedRequest* out) {
+  const int64_t hidden = config.hidden_size;
+  if (!request.has_hidden_states()) {
+    return Invalid("hidden_states",
+                   absl::StrCat("required: a [B, ", hidden, "] tensor"));
+  }
+  const v1::Tensor& tensor = request.hidden_states();
+  absl::StatusOr<DType> dtype = FromProtoDType(tensor.dtype());
+  if (!dtype.ok()) return dtype.status();
+  if (tensor.shape_size() != 2) {
+    return Invalid("hidden_states.shape",
+                   absl::StrCat("must be [B, ", hidden, "] (rank 2), got rank ",
+                                tensor.shape_size()));
+  }
+  if (tensor.shape(1) != hidden) {
+    return Invalid("hidden_states.shape[1]",
+                   absl::StrCat("must equal the model's hidden size D = ",
+                                hidden, ", got ", tensor.shape(1)));
+  }
+  const int64_t rows = tensor.shape(0);
+  if (rows < 1) {
+    return Invalid("hidden_states.shape[0]",
+                   absl::StrCat("B must be >= 1, got ", rows));
+  }
+  if (rows > config.max_batch_rows) {
+    return Invalid("hidden_states.shape[0]",
+                   absl::StrCat("B must be <= max_batch_rows = ",
+                                config.max_batch_rows, ", got ", rows));
+  }
+  const size_t expected_bytes = rows * hidden * DTypeSize(*dtype);
+  if (tensor.data().size() != expected_bytes) {
+    return Invalid(
+        "hidden_states.data",
+        absl::StrCat("must hold B x D x ", DTypeSize(*dtype), " = ", rows,
+                     " x ", hidden, " x ", DTypeSize(*dtype), " = ",
+                     expected_bytes, " bytes, got ", tensor.data().size()));
+  }
+  const int bad_row = FirstNonFiniteRow(*dtype, tensor.data().data(), rows,
+                                        hidden, config.input_dtype);
+  if (bad_row >= 0) {
+    return Invalid(
+        "hidden_states.data",
+        absl::StrCat(
+            "must be finite, row ", bad_row, " holds NaN or Inf",
+            config.input_dtype != *dtype && config.input_dtype != DType::kFp32
+                ? absl::StrCat(" (or overflows the engine's ",
+                               DTypeName(config.input_dtype), ")")
+                : std::string()));
+  }
+
+  if (request.row_params_size() != 0 && request.row_params_size() != rows) {
+    return Invalid("row_params",
+                   absl::StrCat("must be empty or hold B = ", rows,
+                                " entries, got ", request.row_params_size()));
+  }
+  if (request.seeds_size() != 0 && request.seeds_size() != rows) {
+    return Invalid("seeds",
+                   absl::StrCat("must be empty or hold B = ", rows,
+                                " entries, got ", request.seeds_size()));
+  }
+  if (request.steps_size() != 0 && request.steps_size() != rows) {
+    return Invalid("steps",
+                   absl::StrCat("must be empty or hold B = ", rows,
+                                " entries, got ", request.steps_size()));
+  }
+
+  out->rows = static_cast<int>(rows);
+  out->dtype = *dtype;
+  out->hidden = tensor.data().data();
+  out->params.clear();
+  std::vector<std::string> prefixes;
+  if (request.row_params_size() == 0) {
+    out->params.resize(1);
+    prefixes.push_back("params");
+    if (absl::Status s =
+            DecodeParams(request.params(), "params", config, &out->params[0]);
+        !s.ok()) {
+      return s;
+    }
+  } else {
+    out->params.resize(rows);
+    for (int r = 0; r < rows; ++r) {
+      prefixes.push_back(absl::StrCat("row_params[", r, "]"));
+      if (absl::Status s = DecodeParams(request.row_params(r), prefixes[r],
+                                        config, &out->params[r]);
+          !s.ok()) {
+        return s;
+      }
+    }
+    // The response packs token ids as [B, n] and logprob fields per row, so
+    // every row of one request must agree on them.
+    for (int r = 1; r < rows; ++r) {
+      if (out->params[r].n != out->params[0].n) {
+        return Invalid(
+            absl::StrCat(prefixes[r], ".n"),
+            absl::StrCat("must equal row 0's n = ", out->params[0].n,
+                         " (one n per request), got ", out->params[r].n));
+      }
+      if (!SameLogprobs(out->params[r].logprobs, out->params[0].logprobs)) {
+        return Invalid(absl::StrCat(prefixes[r], ".logprobs"),
+                       "must equal row 0's logprobs options (one set of "
+                       "logprob options per request)");
+      }
+    }
+  }
+  out->n = out->params[0].n;
+  out->logprobs = out->params[0].logprobs;
+
+  // Declared but not implemented by this backend: refuse, never ignore.
+  for (size_t i = 0; i < out->params.size(); ++i) {
+    const std::string control =
+        FirstUnsupportedControl(out->params[i], config.supported_controls);
+    if (!control.empty()) {
+      return absl::UnimplementedError(
+          absl::StrCat(prefixes[i], ".", control, ": not implemented by the ",
+                       config.backend, " backend (supported: ",
+                       absl::StrJoin(config.supported_controls, ", "), ")"));
+    }
+  }
+
+  out->seeds.resize(rows);
+  for (int r = 0; r < rows; ++r) {
+    out->seeds[r] = request.seeds_size() != 0
+                        ? request.seeds(r)
+                        : absl::Uniform<uint64_t>(ThreadBitGen());
+  }
+  out->specs.resize(rows);
+  for (int r = 0; r < rows; ++r) {
+    RowSpec& spec = out->specs[r];
+    spec.params = &out->params[out->params.size() == 1 ? 0 : r];
+    spec.seed = out->seeds[r];
+    spec.step = request.steps_size() != 0 ? request.steps(r) : 0;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EncodeSampleResponse(const v1::SampleRequest& request,
+                                  const DecodedRequest& decoded,
+                                  const std::vector<RowResult>& results,
+                                  v1::SampleResponse* response) {
+  if (static_cast<int>(results.size()) != decoded.rows) {
+    return absl::InternalError(absl::StrCat("engine returned ", results.size(),
+                                            " results for ", decoded.rows,
+                                            " rows"));
+  }
+  response->set_request_id(request.request_id());
+  response->set_n(decoded.n);
+  response->mutable_token_ids()->Reserve(decoded.rows * decoded.n);
+  for (int r = 0; r < decoded.rows; ++r) {
+    const RowResult& result = results[r];
+    if (static_cast<int>(result.token_ids.size()) != decoded.n) {
+      return absl::InternalError(
+          absl::StrCat("engine returned ", result.token_ids.size(),
+                       " samples for row ", r, ", expected ", decoded.n));
+    }
+    for (int32_t token : result.token_ids) response->add_token_ids(token);
+    response->add_seeds(decoded.seeds[r]);
+    if (decoded.logprobs.sampled) {
+      if (static_cast<int>(result.sampled_logprobs.size()) != decoded.n) {
+        return absl::InternalError(
+            absl::StrCat("engine returned no sampled logprobs for row ", r));
+      }
+      for (float lp : result.sampled_logprobs) {
+        response->add_sampled_logprobs(lp);
+      }
+    }
+    if (decoded.logprobs.logsumexp) {
+      response->add_row_logsumexp(result.logsumexp);
+    }
+    if (decoded.logprobs.top_n > 0) {
+      if (result.top_token_ids.size() != result.top_logprobs.size()) {
+        return absl::InternalError(absl::StrCat(
+            "engine returned mismatched top logprobs for row ", r));
+      }
+      v1::TopLogprobs* top = response->add_top_logprobs();
+      top->mutable_token_ids()->Add(result.top_token_ids.begin(),
+                                    result.top_token_ids.end());
+      top->mutable_logprobs()->Add(result.top_logprobs.begin(),
+                                   result.top_logprobs.end());
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace flashsampler

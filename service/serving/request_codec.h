@@ -1,0 +1,66 @@
+// The boundary between the wire contract and the engine: turns a
+// SampleRequest into validated SamplingParams / RowSpecs (every rule of
+// docs/api.md, INVALID_ARGUMENT naming the field and the expected value, then
+// UNIMPLEMENTED for controls the backend lacks) and engine results back into
+// a SampleResponse. Pure functions of their inputs; never blocks.
+#ifndef FLASHSAMPLER_SERVICE_SERVING_REQUEST_CODEC_H_
+#define FLASHSAMPLER_SERVICE_SERVING_REQUEST_CODEC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "flashsampler/v1/sampler.pb.h"
+#include "service/backends/sampling_params.h"
+#include "service/serving/server_options.h"
+
+namespace flashsampler {
+
+// What a request is validated against.
+struct CodecConfig {
+  int64_t vocab_size = 0;   // V of the loaded weights
+  int64_t hidden_size = 0;  // D of the loaded weights
+  int max_batch_rows = 0;   // largest B per request
+  // dtype the engine computes in (EngineInfo::input_dtype): hidden states
+  // must stay finite after the conversion into it (fp32 -> fp16 overflows
+  // above 65504, fp32 -> bf16 just below FLT_MAX).
+  DType input_dtype = DType::kFp32;
+  RequestLimits limits;
+  std::string backend;  // named in UNIMPLEMENTED messages
+  // EngineInfo::supported_controls.
+  std::vector<std::string> supported_controls;
+};
+
+// A validated request. `hidden` points into the SampleRequest's bytes, so
+// the request must outlive this object; `specs` point into `params`, whose
+// heap buffer survives moves of this struct.
+struct DecodedRequest {
+  int rows = 0;
+  DType dtype = DType::kFp32;          // dtype of `hidden` on the wire
+  const void* hidden = nullptr;        // rows x D elements of dtype
+  std::vector<SamplingParams> params;  // 1 (broadcast) or `rows` entries
+  std::vector<uint64_t> seeds;         // rows; drawn by the server if absent
+  std::vector<RowSpec> specs;          // rows
+  int n = 1;                           // samples per row (same for all rows)
+  LogprobRequest logprobs;             // same for all rows
+};
+
+// Validates `request` and fills `out`. Missing seeds are drawn from a
+// per-thread absl::BitGen (64 bits each). Returns INVALID_ARGUMENT or
+// UNIMPLEMENTED with a message that names the offending field.
+absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
+                                 const CodecConfig& config,
+                                 DecodedRequest* out);
+
+// Fills `response` (request_id, n, token_ids, seeds, logprob fields) from one
+// result per row. INTERNAL if the engine returned a malformed result (a bug,
+// reported rather than sent).
+absl::Status EncodeSampleResponse(const v1::SampleRequest& request,
+                                  const DecodedRequest& decoded,
+                                  const std::vector<RowResult>& results,
+                                  v1::SampleResponse* response);
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_SERVICE_SERVING_REQUEST_CODEC_H_

@@ -1,0 +1,424 @@
+// The Sampler service's reactors. Unary Sample uses the context's default
+// reactor, finished by a batcher thread; SampleStream has its own reactor
+// that keeps accepted requests in arrival order and writes each answer once
+// it and every earlier one are ready (one outstanding write at a time).
+#include "service/serving/sampler_service.h"
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "common/status_util.h"
+
+namespace flashsampler {
+
+namespace {
+
+constexpr char kSample[] = "Sample";
+constexpr char kSampleStream[] = "SampleStream";
+constexpr char kGetModelInfo[] = "GetModelInfo";
+
+absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
+  const std::chrono::system_clock::time_point deadline = context->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(deadline);
+}
+
+double SecondsSince(absl::Time start) {
+  return absl::ToDoubleSeconds(absl::Now() - start);
+}
+
+void SetTiming(const BatchTiming& timing, v1::SampleResponse* response) {
+  v1::Timing* out = response->mutable_timing();
+  out->set_queue_seconds(timing.queue_seconds);
+  out->set_execute_seconds(timing.execute_seconds);
+  out->set_batch_rows(timing.batch_rows);
+}
+
+// Fills the batch-facing fields of `item` from a decoded request.
+void Describe(const DecodedRequest& decoded, absl::Time deadline,
+              BatchItem* item) {
+  item->rows = decoded.rows;
+  item->dtype = decoded.dtype;
+  item->hidden = decoded.hidden;
+  item->specs = decoded.specs.data();
+  item->deadline = deadline;
+}
+
+// One unary Sample() in the batcher. Owns the decoded request; the gRPC
+// request and response stay valid until Finish().
+class UnarySampleCall final : public BatchItem {
+ public:
+  UnarySampleCall(grpc::CallbackServerContext* context,
+                  grpc::ServerUnaryReactor* reactor,
+                  const v1::SampleRequest* request,
+                  v1::SampleResponse* response, Metrics* metrics,
+                  absl::Time start)
+      : context_(context),
+        reactor_(reactor),
+        request_(request),
+        response_(response),
+        metrics_(metrics),
+        start_(start) {}
+
+  DecodedRequest* decoded() { return &decoded_; }
+
+  bool IsCancelled() const override { return context_->IsCancelled(); }
+
+  void Done(const absl::Status& status, std::vector<RowResult> results,
+            const BatchTiming& timing) override {
+    absl::Status s = status;
+    if (s.ok())
+      s = EncodeSampleResponse(*request_, decoded_, results, response_);
+    if (s.ok()) SetTiming(timing, response_);
+    metrics_->ObserveRequest(kSample, s.code(), SecondsSince(start_));
+    reactor_->Finish(ToGrpcStatus(s));
+  }
+
+ private:
+  grpc::CallbackServerContext* const context_;
+  // Kept rather than asked again: DefaultReactor() constructs the reactor
+  // anew on every call, which would unbind it from the RPC.
+  grpc::ServerUnaryReactor* const reactor_;
+  const v1::SampleRequest* const request_;
+  v1::SampleResponse* const response_;
+  Metrics* const metrics_;
+  const absl::Time start_;
+  DecodedRequest decoded_;
+};
+
+}  // namespace
+
+class SampleStreamReactor final
+    : public grpc::ServerBidiReactor<v1::SampleRequest, v1::SampleResponse> {
+ public:
+  SampleStreamReactor(SamplerService* service,
+                      grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {
+    // Registered before taking mu_, so that no lock of the service is ever
+    // taken while a stream's lock is held.
+    const bool accepting = service_->RegisterStream(this);
+    Actions actions;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!accepting) draining_ = true;
+      Decide(&actions);
+    }
+    Act(actions);
+  }
+
+  // See SamplerService::BeginDrain().
+  void Drain() {
+    Actions actions;
+    {
+      absl::MutexLock lock(&mu_);
+      draining_ = true;
+      Decide(&actions);
+    }
+    Act(actions);
+  }
+
+  void OnReadDone(bool ok) override {
+    std::unique_ptr<Entry> entry;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!ok) {
+        reads_done_ = true;
+      } else if (!finished_) {
+        entry = std::move(read_entry_);
+        entry->start = absl::Now();
+      }
+    }
+    // reading_ stays set until the entry is queued in entries_: otherwise a
+    // batcher thread's Decide() could start the next read, and that message
+    // could be queued ahead of this one.
+    if (entry != nullptr) Accept(std::move(entry));
+    Actions actions;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      Decide(&actions);
+    }
+    Act(actions);
+  }
+
+  void OnWriteDone(bool ok) override {
+    Actions actions;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      entries_.pop_front();
+      if (!ok) write_failed_ = true;
+      Decide(&actions);
+    }
+    Act(actions);
+  }
+
+  void OnCancel() override {
+    Actions actions;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      Decide(&actions);
+    }
+    Act(actions);
+  }
+
+  // The service deletes the reactor (possibly later, see BeginDrain()).
+  void OnDone() override { service_->StreamDone(this); }
+
+ private:
+  // One request of the stream, from its read to its written answer.
+  struct Entry {
+    v1::SampleRequest request;
+    v1::SampleResponse response;
+    DecodedRequest decoded;
+    absl::Time start;
+    bool ready = false;  // response holds the answer
+  };
+
+  class Item final : public BatchItem {
+   public:
+    Item(SampleStreamReactor* stream, Entry* entry)
+        : stream_(stream), entry_(entry) {}
+    bool IsCancelled() const override {
+      return stream_->context_->IsCancelled();
+    }
+    void Done(const absl::Status& status, std::vector<RowResult> results,
+              const BatchTiming& timing) override {
+      stream_->OnResult(entry_, status, results, timing);
+    }
+
+   private:
+    SampleStreamReactor* const stream_;
+    Entry* const entry_;
+  };
+
+  // gRPC operations decided under mu_ and started after releasing it:
+  // reactions may run inline on the starting thread.
+  struct Actions {
+    v1::SampleRequest* read = nullptr;
+    const v1::SampleResponse* write = nullptr;
+    bool finish = false;
+    grpc::Status status;
+  };
+
+  void Decide(Actions* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    const bool broken = cancelled_ || write_failed_;
+    if (broken) {
+      // Nobody will read these answers; drop the ready ones, wait for the
+      // rest to come back from the batcher (they reference this reactor).
+      while (!writing_ && !entries_.empty() && entries_.front()->ready) {
+        entries_.pop_front();
+      }
+    } else if (!writing_ && !entries_.empty() && entries_.front()->ready) {
+      writing_ = true;
+      actions->write = &entries_.front()->response;
+    }
+    if (!writing_ && in_batcher_ == 0) {
+      if (broken) {
+        Finish(actions,
+               grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"));
+        return;
+      }
+      if (entries_.empty() && reads_done_) {
+        Finish(actions, grpc::Status::OK);
+        return;
+      }
+      if (entries_.empty() && draining_) {
+        Finish(actions,
+               grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            "server is draining (shutting down); reconnect "
+                            "to another replica"));
+        return;
+      }
+    }
+    if (!reading_ && !reads_done_ && !draining_ && !broken &&
+        static_cast<int>(entries_.size()) < service_->max_stream_in_flight_) {
+      reading_ = true;
+      read_entry_ = std::make_unique<Entry>();
+      actions->read = &read_entry_->request;
+    }
+  }
+
+  void Finish(Actions* actions, grpc::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
+    actions->finish = true;
+    actions->status = std::move(status);
+  }
+
+  void Act(const Actions& actions) {
+    if (actions.write != nullptr) StartWrite(actions.write);
+    if (actions.read != nullptr) StartRead(actions.read);
+    if (actions.finish) ServerBidiReactor::Finish(actions.status);
+  }
+
+  // Validates and queues one request; a failure becomes its error response.
+  void Accept(std::unique_ptr<Entry> entry) {
+    Entry* e = entry.get();
+    absl::Status status =
+        DecodeSampleRequest(e->request, service_->codec_, &e->decoded);
+    if (status.ok()) {
+      auto item = std::make_unique<Item>(this, e);
+      Describe(e->decoded, DeadlineOf(context_), item.get());
+      {
+        absl::MutexLock lock(&mu_);
+        entries_.push_back(std::move(entry));
+        ++in_batcher_;
+      }
+      status = service_->batcher_->Submit(std::move(item));
+      if (status.ok()) return;
+      absl::MutexLock lock(&mu_);
+      --in_batcher_;
+      SetError(e, status);
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    entries_.push_back(std::move(entry));
+    SetError(e, status);
+  }
+
+  void SetError(Entry* e, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    e->response.Clear();
+    e->response.set_request_id(e->request.request_id());
+    e->response.mutable_error()->set_code(static_cast<int>(status.code()));
+    e->response.mutable_error()->set_message(std::string(status.message()));
+    e->ready = true;
+    service_->metrics_->ObserveRequest(kSampleStream, status.code(),
+                                       SecondsSince(e->start));
+  }
+
+  void OnResult(Entry* e, const absl::Status& status,
+                const std::vector<RowResult>& results,
+                const BatchTiming& timing) {
+    // The entry is ours alone until it is marked ready.
+    absl::Status s = status;
+    if (s.ok()) {
+      s = EncodeSampleResponse(e->request, e->decoded, results, &e->response);
+    }
+    Actions actions;
+    {
+      absl::MutexLock lock(&mu_);
+      --in_batcher_;
+      if (s.ok()) {
+        SetTiming(timing, &e->response);
+        e->ready = true;
+        service_->metrics_->ObserveRequest(kSampleStream, s.code(),
+                                           SecondsSince(e->start));
+      } else {
+        SetError(e, s);
+      }
+      Decide(&actions);
+    }
+    Act(actions);
+  }
+
+  SamplerService* const service_;
+  grpc::CallbackServerContext* const context_;
+
+  absl::Mutex mu_;
+  std::unique_ptr<Entry> read_entry_ ABSL_GUARDED_BY(mu_);  // outstanding read
+  // Accepted requests in arrival order; the front is the next to answer.
+  std::deque<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  int in_batcher_ ABSL_GUARDED_BY(mu_) = 0;  // entries awaiting Done()
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;  // client half-closed
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+SamplerService::SamplerService(Batcher* batcher, Metrics* metrics,
+                               CodecConfig codec, v1::ModelInfo model_info,
+                               int max_stream_in_flight)
+    : batcher_(batcher),
+      metrics_(metrics),
+      codec_(std::move(codec)),
+      model_info_(std::move(model_info)),
+      max_stream_in_flight_(std::max(1, max_stream_in_flight)) {}
+
+SamplerService::~SamplerService() = default;
+
+grpc::ServerUnaryReactor* SamplerService::Sample(
+    grpc::CallbackServerContext* context, const v1::SampleRequest* request,
+    v1::SampleResponse* response) {
+  const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto call = std::make_unique<UnarySampleCall>(context, reactor, request,
+                                                response, metrics_, start);
+  absl::Status status = DecodeSampleRequest(*request, codec_, call->decoded());
+  if (status.ok()) {
+    Describe(*call->decoded(), DeadlineOf(context), call.get());
+    status = batcher_->Submit(std::move(call));
+    if (status.ok()) return reactor;  // a batcher thread finishes it
+  }
+  metrics_->ObserveRequest(kSample, status.code(), SecondsSince(start));
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::SampleRequest, v1::SampleResponse>*
+SamplerService::SampleStream(grpc::CallbackServerContext* context) {
+  return new SampleStreamReactor(this, context);
+}
+
+grpc::ServerUnaryReactor* SamplerService::GetModelInfo(
+    grpc::CallbackServerContext* context,
+    const v1::GetModelInfoRequest* /*request*/, v1::ModelInfo* response) {
+  const absl::Time start = absl::Now();
+  *response = model_info_;
+  metrics_->ObserveRequest(kGetModelInfo, absl::StatusCode::kOk,
+                           SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+void SamplerService::BeginDrain() {
+  std::vector<SampleStreamReactor*> streams;
+  {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+    ++walkers_;
+    streams.assign(streams_.begin(), streams_.end());
+  }
+  // Drain() is called without mu_ (it may finish the stream, and gRPC may
+  // run OnDone inline); a stream that finishes meanwhile is kept alive in
+  // done_streams_ until no walk is in progress.
+  for (SampleStreamReactor* stream : streams) stream->Drain();
+  std::vector<SampleStreamReactor*> done;
+  {
+    absl::MutexLock lock(&mu_);
+    if (--walkers_ == 0) done.swap(done_streams_);
+  }
+  for (SampleStreamReactor* stream : done) delete stream;
+}
+
+bool SamplerService::RegisterStream(SampleStreamReactor* stream) {
+  absl::MutexLock lock(&mu_);
+  streams_.insert(stream);
+  return !draining_;
+}
+
+void SamplerService::StreamDone(SampleStreamReactor* stream) {
+  {
+    absl::MutexLock lock(&mu_);
+    streams_.erase(stream);
+    if (walkers_ > 0) {
+      done_streams_.push_back(stream);
+      return;
+    }
+  }
+  delete stream;
+}
+
+}  // namespace flashsampler

@@ -1,0 +1,70 @@
+// flashsampler.v1.Sampler on gRPC's callback API. Handlers validate the
+// request (never block), hand it to the batcher and return; batcher threads
+// finish the reactors. SampleStream answers one response per request, in
+// order, with at most max_stream_in_flight requests of a stream in flight.
+#ifndef FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
+#define FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
+
+#include <set>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "flashsampler/v1/sampler.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "service/serving/batcher.h"
+#include "service/serving/metrics.h"
+#include "service/serving/request_codec.h"
+
+namespace flashsampler {
+
+class SampleStreamReactor;
+
+class SamplerService final : public v1::Sampler::CallbackService {
+ public:
+  // `batcher` and `metrics` must outlive the service. `model_info` is what
+  // GetModelInfo returns.
+  SamplerService(Batcher* batcher, Metrics* metrics, CodecConfig codec,
+                 v1::ModelInfo model_info, int max_stream_in_flight);
+  ~SamplerService() override;
+
+  grpc::ServerUnaryReactor* Sample(grpc::CallbackServerContext* context,
+                                   const v1::SampleRequest* request,
+                                   v1::SampleResponse* response) override;
+  grpc::ServerBidiReactor<v1::SampleRequest, v1::SampleResponse>* SampleStream(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request,
+                                         v1::ModelInfo* response) override;
+
+  // Drain: open streams stop reading, answer what they accepted and end with
+  // UNAVAILABLE; streams opened later end at once. Unary calls are refused by
+  // the batcher (Batcher::StopAccepting), not here.
+  void BeginDrain();
+
+ private:
+  friend class SampleStreamReactor;
+
+  // Streams register while open so BeginDrain() can reach them; returns
+  // false when draining has begun (the stream must end at once).
+  bool RegisterStream(SampleStreamReactor* stream);
+  // From the stream's OnDone: unregisters and deletes it (deferred while
+  // BeginDrain() walks the streams).
+  void StreamDone(SampleStreamReactor* stream);
+
+  Batcher* const batcher_;
+  Metrics* const metrics_;
+  const CodecConfig codec_;
+  const v1::ModelInfo model_info_;
+  const int max_stream_in_flight_;
+
+  absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<SampleStreamReactor*> streams_ ABSL_GUARDED_BY(mu_);
+  int walkers_ ABSL_GUARDED_BY(mu_) = 0;  // BeginDrain() calls in progress
+  std::vector<SampleStreamReactor*> done_streams_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_

@@ -1,0 +1,398 @@
+// Server: backend selection, warm-up, gRPC and metrics wiring, and the
+// drain sequence documented in server.h.
+#include "service/serving/server.h"
+
+#include <algorithm>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/dtype_convert.h"
+#include "common/proto_dtype.h"
+#include "common/status_macros.h"
+#include "common/status_util.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "service/backends/cpu/cpu_engine.h"
+#include "service/serving/request_codec.h"
+#ifdef FS_HAVE_CUDA_BACKEND
+#include "service/backends/cuda/cuda_engine.h"
+#endif
+
+#ifndef FS_VERSION
+#define FS_VERSION "unknown"
+#endif
+
+namespace flashsampler {
+
+namespace {
+
+constexpr char kServiceName[] = "flashsampler.v1.Sampler";
+
+absl::StatusOr<std::string> ReadFile(const std::string& flag,
+                                     const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": cannot read \"", path, "\""));
+  }
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
+    const TlsOptions& tls) {
+  if (tls.cert_path.empty() && tls.key_path.empty()) {
+    if (!tls.client_ca_path.empty()) {
+      return absl::InvalidArgumentError(
+          "tls_client_ca: mutual TLS needs tls_cert and tls_key as well");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (tls.cert_path.empty() || tls.key_path.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_cert and tls_key: TLS needs both (PEM files), got one");
+  }
+  grpc::SslServerCredentialsOptions ssl(
+      tls.client_ca_path.empty()
+          ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+          : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  FS_ASSIGN_OR_RETURN(std::string cert, ReadFile("tls_cert", tls.cert_path));
+  FS_ASSIGN_OR_RETURN(std::string key, ReadFile("tls_key", tls.key_path));
+  ssl.pem_key_cert_pairs.push_back({std::move(key), std::move(cert)});
+  if (!tls.client_ca_path.empty()) {
+    FS_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                        ReadFile("tls_client_ca", tls.client_ca_path));
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+int ToMillis(absl::Duration d) {
+  return static_cast<int>(
+      std::min<int64_t>(absl::ToInt64Milliseconds(d), INT32_MAX));
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(
+    const ServerOptions& options, std::shared_ptr<const Weights> weights) {
+  std::string backend = options.backend;
+  if (backend == "auto") {
+#ifdef FS_HAVE_CUDA_BACKEND
+    backend = CudaDeviceCount() > 0 ? "cuda" : "cpu";
+#else
+    backend = "cpu";
+#endif
+  }
+  if (backend == "cpu") {
+    CpuEngineOptions cpu;
+    cpu.sampler.threads = options.cpu_threads;
+    cpu.sampler.chunk_rows = options.cpu_chunk_rows;
+    cpu.max_batch_rows = options.batcher.max_batch_rows;
+    cpu.slots = options.cpu_slots;
+    FS_ASSIGN_OR_RETURN(auto engine, CpuEngine::Create(*weights, cpu));
+    return std::unique_ptr<Engine>(std::move(engine));
+  }
+  if (backend == "cuda") {
+#ifdef FS_HAVE_CUDA_BACKEND
+    const int visible = CudaDeviceCount();
+    if (visible == 0) {
+      return absl::UnavailableError(
+          "backend: \"cuda\" asked for, but no CUDA device is visible");
+    }
+    const int tp = options.tp == 0 ? visible : options.tp;
+    if (tp < 1 || tp > visible) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tp: must be in [1, ", visible, "] (visible GPUs), got ",
+                       options.tp));
+    }
+    CudaEngineOptions cuda;
+    for (int d = 0; d < tp; ++d) cuda.devices.push_back(d);
+    cuda.max_batch_rows = options.batcher.max_batch_rows;
+    cuda.slots = options.cuda_slots;
+    if (options.tp_transport == "auto") {
+      cuda.tp_transport = CudaTpTransport::kAuto;
+    } else if (options.tp_transport == "nccl") {
+      cuda.tp_transport = CudaTpTransport::kNcclDevice;
+    } else if (options.tp_transport == "peer") {
+      cuda.tp_transport = CudaTpTransport::kCudaPeer;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tp_transport: must be auto, nccl or peer, got \"",
+                       options.tp_transport, "\""));
+    }
+    FS_ASSIGN_OR_RETURN(auto engine,
+                        CreateCudaEngine(std::move(weights), cuda));
+    return std::unique_ptr<Engine>(std::move(engine));
+#else
+    return absl::InvalidArgumentError(
+        "backend: \"cuda\" asked for, but this build has no CUDA backend");
+#endif
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "backend: must be auto, cpu or cuda, got \"", options.backend, "\""));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Create(
+    const ServerOptions& options) {
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<Weights> loaded,
+                      Weights::Load(options.weights));
+  std::shared_ptr<const Weights> weights(std::move(loaded));
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                      CreateEngine(options, weights));
+  const std::string source = weights->source();
+  return CreateWithEngine(options, std::move(engine), std::move(weights),
+                          source);
+}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::CreateWithEngine(
+    const ServerOptions& options, std::unique_ptr<Engine> engine,
+    std::shared_ptr<const Weights> weights, std::string weights_source) {
+  if (engine == nullptr) return absl::InvalidArgumentError("engine: null");
+  if (engine->max_slots() < 1) {
+    return absl::InvalidArgumentError("engine: max_slots() must be >= 1");
+  }
+  if (options.batcher.max_batch_rows < 1 ||
+      options.batcher.max_queue_rows < 1) {
+    return absl::InvalidArgumentError(
+        "max_batch_rows and max_queue_rows: must be >= 1");
+  }
+  return std::unique_ptr<Server>(new Server(options, std::move(weights),
+                                            std::move(engine),
+                                            std::move(weights_source)));
+}
+
+Server::Server(const ServerOptions& options,
+               std::shared_ptr<const Weights> weights,
+               std::unique_ptr<Engine> engine, std::string weights_source)
+    : options_(options),
+      weights_source_(std::move(weights_source)),
+      info_(engine->info()),
+      weights_(std::move(weights)),
+      engine_(std::move(engine)) {
+  const EngineInfo& info = info_;
+  batcher_ = std::make_unique<Batcher>(
+      engine_.get(), options_.batcher, &metrics_,
+      [this](const absl::Status& status) { OnFatal(status); });
+
+  CodecConfig codec;
+  codec.vocab_size = info.vocab_size;
+  codec.hidden_size = info.hidden_size;
+  codec.max_batch_rows = batcher_->max_batch_rows();
+  codec.input_dtype = info.input_dtype;
+  codec.limits = options_.limits;
+  codec.backend = info.backend;
+  codec.supported_controls = info.supported_controls;
+
+  v1::ModelInfo model;
+  model.set_vocab_size(info.vocab_size);
+  model.set_hidden_size(info.hidden_size);
+  model.set_weight_dtype(ToProtoDType(info.weight_dtype));
+  model.set_backend(info.backend);
+  model.set_tp_degree(static_cast<int>(info.shards.size()));
+  for (const ShardInfo& shard : info.shards) {
+    v1::ShardRange* range = model.add_shards();
+    range->set_rank(shard.rank);
+    range->set_device(shard.device);
+    range->set_vocab_begin(shard.vocab_begin);
+    range->set_vocab_end(shard.vocab_end);
+  }
+  model.set_max_batch_rows(batcher_->max_batch_rows());
+  model.set_version(FS_VERSION);
+  model.set_weights_source(weights_source_);
+  for (const std::string& control : info.supported_controls) {
+    model.add_supported_features(control);
+  }
+  service_ = std::make_unique<SamplerService>(
+      batcher_.get(), &metrics_, std::move(codec), std::move(model),
+      options_.max_stream_in_flight);
+
+  metrics_.SetWeightsInfo(info.vocab_size, info.hidden_size,
+                          DTypeName(info.weight_dtype),
+                          static_cast<int>(info.shards.size()), info.backend);
+  for (const ShardInfo& shard : info.shards) {
+    if (shard.device < 0) continue;  // CPU backend: no device memory
+    metrics_.SetDeviceMemoryBytes(
+        shard.device, static_cast<double>(shard.vocab_end - shard.vocab_begin) *
+                          info.hidden_size * DTypeSize(info.weight_dtype));
+  }
+
+  // The largest legal request: B = max rows of fp32 hidden states, plus per
+  // row an allowed-token bitmask (ceil(V/32) int32 words, up to 10 bytes each
+  // as varints) and a little framing; plus 4 MiB for token lists (bias,
+  // banned, prompt, counts), which have no fixed bound.
+  const int64_t rows = batcher_->max_batch_rows();
+  const int64_t per_row =
+      info.hidden_size * 4 + ((info.vocab_size + 31) / 32) * 10 + 256;
+  max_receive_bytes_ = static_cast<int>(
+      std::min<int64_t>(rows * per_row + (4 << 20), INT32_MAX));
+}
+
+Server::~Server() { Stop(); }
+
+bool Server::serving() const {
+  absl::MutexLock lock(&health_mu_);
+  return serving_;
+}
+
+absl::Status Server::WarmUp() {
+  // One batch per slot so every slot's buffers and (on GPUs) kernels are
+  // touched before the first request; zero hidden states with the default
+  // controls are always valid.
+  const EngineInfo& info = engine_->info();
+  const int rows =
+      std::max(1, std::min(options_.warmup_rows, batcher_->max_batch_rows()));
+  const SamplingParams params;
+  std::vector<RowSpec> specs(rows);
+  for (int r = 0; r < rows; ++r) {
+    specs[r].params = &params;
+    specs[r].seed = static_cast<uint64_t>(r);
+  }
+  std::vector<float> zeros(static_cast<size_t>(rows) * info.hidden_size, 0.0f);
+  for (int slot = 0; slot < engine_->max_slots(); ++slot) {
+    ConvertDType(DType::kFp32, zeros.data(), zeros.size(), info.input_dtype,
+                 engine_->slot_input(slot));
+    BatchView view;
+    view.slot = slot;
+    view.rows = rows;
+    view.specs = specs.data();
+    std::vector<RowResult> results;
+    absl::Status status = engine_->Sample(view, &results);
+    if (!status.ok()) {
+      return absl::Status(status.code(),
+                          absl::StrCat("warm-up batch on slot ", slot,
+                                       " failed: ", status.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Server::StartMetrics() {
+  if (options_.metrics_port == 0) return absl::OkStatus();
+  FS_ASSIGN_OR_RETURN(
+      metrics_http_,
+      MetricsHttpServer::Start(options_.metrics_address, options_.metrics_port,
+                               metrics_.registry()));
+  metrics_port_ = metrics_http_->port();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  });
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                      MakeCredentials(options_.tls));
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options_.listen_address, credentials, &port_);
+  builder.RegisterService(service_.get());
+  builder.SetMaxReceiveMessageSize(max_receive_bytes_);
+  // Without this, Linux gRPC sets SO_REUSEPORT and a second daemon on the
+  // same port would silently share it instead of failing.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  const KeepaliveOptions& keepalive = options_.keepalive;
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                             ToMillis(keepalive.time));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             ToMillis(keepalive.timeout));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
+                             keepalive.permit_without_calls ? 1 : 0);
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+      ToMillis(keepalive.min_client_ping_interval));
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port_ == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "listen_address: cannot listen on ", options_.listen_address,
+        " (in use, or not a valid address)"));
+  }
+  return server;
+}
+
+absl::Status Server::Start() {
+  {
+    absl::MutexLock lock(&health_mu_);
+    if (started_ || stopped_) {
+      return absl::FailedPreconditionError("Server::Start: called twice");
+    }
+    started_ = true;
+  }
+  FS_RETURN_IF_ERROR(WarmUp());
+  batcher_->Start();
+  if (absl::Status s = StartMetrics(); !s.ok()) {
+    batcher_->Stop();
+    return s;
+  }
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartGrpc();
+  if (!server.ok()) {
+    batcher_->Stop();
+    metrics_http_.reset();
+    return server.status();
+  }
+  absl::MutexLock lock(&health_mu_);
+  grpc_server_ = *std::move(server);
+  SetServing(!fatal_);
+  return absl::OkStatus();
+}
+
+void Server::SetServing(bool serving) {
+  serving_ = serving;
+  if (grpc_server_ == nullptr) return;
+  grpc::HealthCheckServiceInterface* health =
+      grpc_server_->GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus("", serving);
+  health->SetServingStatus(kServiceName, serving);
+}
+
+void Server::OnFatal(const absl::Status& /*status*/) {
+  // The batcher already fails every call with UNAVAILABLE; health tells the
+  // orchestrator to restart or route around this replica.
+  absl::MutexLock lock(&health_mu_);
+  fatal_ = true;
+  SetServing(false);
+}
+
+void Server::Stop() {
+  absl::MutexLock stop_lock(&stop_mu_);
+  {
+    absl::MutexLock lock(&health_mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    SetServing(false);  // 1
+  }
+  const absl::Time deadline = absl::Now() + options_.drain_timeout;
+  batcher_->StopAccepting();  // 2
+  service_->BeginDrain();
+  batcher_->WaitIdle(deadline);  // 3
+  grpc::Server* server;
+  {
+    absl::MutexLock lock(&health_mu_);
+    server = grpc_server_.get();
+  }
+  // Not under health_mu_: Shutdown waits for calls that batcher threads
+  // finish, and a batcher thread may need health_mu_ (OnFatal).
+  if (server != nullptr) server->Shutdown(absl::ToChronoTime(deadline));  // 4
+  batcher_->Stop();                                                       // 5
+  metrics_http_.reset();                                                  // 6
+  {
+    absl::MutexLock lock(&health_mu_);
+    grpc_server_.reset();
+  }
+  service_.reset();
+  batcher_.reset();
+  engine_.reset();
+  weights_.reset();
+}
+
+}  // namespace flashsampler

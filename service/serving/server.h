@@ -1,0 +1,119 @@
+// flashsamplerd's top-level object: owns the weights, the engine, the
+// batcher, the gRPC server (Sampler + grpc.health.v1 + reflection) and the
+// Prometheus metrics endpoint, and orders their start and stop.
+//
+// Lifecycle:
+//   Create()  loads the weights and builds the engine (nothing listens yet).
+//   Start()   runs a warm-up batch on every engine slot, starts the batcher,
+//             the metrics endpoint and the gRPC server, then reports SERVING.
+//             gRPC starts last, so health never answers SERVING before the
+//             warm-up (the default health service starts out SERVING).
+//   Stop()    in this order, each step for a reason:
+//     1. health NOT_SERVING: load balancers and Kubernetes readiness stop
+//        sending new work while the server still answers.
+//     2. stop accepting: new Sample calls get UNAVAILABLE "draining"; open
+//        SampleStreams stop reading, answer what they accepted, then end
+//        with UNAVAILABLE.
+//     3. wait until the batcher is idle (every accepted request answered),
+//        bounded by drain_timeout.
+//     4. grpc::Server::Shutdown(deadline = start of Stop + drain_timeout):
+//        waits for the calls still open, cancels what is left at the
+//        deadline. The batcher's workers still run here, so every reactor
+//        gets finished and Shutdown cannot hang on our own calls.
+//     5. stop the batcher (join its workers; anything queued after a timeout
+//        is answered CANCELLED by then).
+//     6. stop the metrics endpoint, then tear the engine down (device
+//        buffers, streams, NCCL) and release the weights, in that order
+//        because the engine reads the weights.
+#ifndef FLASHSAMPLER_SERVICE_SERVING_SERVER_H_
+#define FLASHSAMPLER_SERVICE_SERVING_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/server.h"
+#include "service/backends/engine.h"
+#include "service/serving/batcher.h"
+#include "service/serving/metrics.h"
+#include "service/serving/sampler_service.h"
+#include "service/serving/server_options.h"
+#include "service/weights/weights.h"
+
+namespace flashsampler {
+
+class Server {
+ public:
+  // Loads options.weights and builds the backend options.backend names.
+  static absl::StatusOr<std::unique_ptr<Server>> Create(
+      const ServerOptions& options);
+  // Serves an engine built by the caller (tests, embedders); `weights`, if
+  // given, is kept alive until the engine is gone. `weights_source` is
+  // reported in ModelInfo.
+  static absl::StatusOr<std::unique_ptr<Server>> CreateWithEngine(
+      const ServerOptions& options, std::unique_ptr<Engine> engine,
+      std::shared_ptr<const Weights> weights = nullptr,
+      std::string weights_source = "");
+
+  ~Server();  // Stop()
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Warm-up, then serving. Fails (and serves nothing) if the warm-up batch
+  // fails or a port cannot be bound. Call at most once.
+  absl::Status Start();
+  // Drains and stops (order above). Idempotent; safe from any thread except
+  // a gRPC or batcher thread.
+  void Stop();
+
+  // The bound gRPC port (resolves listen_address port 0), after Start().
+  int port() const { return port_; }
+  // The bound metrics port after Start(); 0 when metrics are off.
+  int metrics_port() const { return metrics_port_; }
+  Metrics& metrics() { return metrics_; }
+  const EngineInfo& engine_info() const { return info_; }
+  // What a health check answers right now.
+  bool serving() const;
+  // Largest request message the server accepts, derived from the model.
+  int max_receive_message_bytes() const { return max_receive_bytes_; }
+
+ private:
+  Server(const ServerOptions& options, std::shared_ptr<const Weights> weights,
+         std::unique_ptr<Engine> engine, std::string weights_source);
+
+  absl::Status WarmUp();
+  absl::Status StartMetrics();
+  absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc();
+  void SetServing(bool serving) ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu_);
+  void OnFatal(const absl::Status& status);
+
+  const ServerOptions options_;
+  const std::string weights_source_;
+  EngineInfo info_;  // a copy: still readable after Stop() frees the engine
+  Metrics metrics_;
+  // Declared in teardown order reversed: the engine reads the weights, the
+  // batcher drives the engine, the service feeds the batcher.
+  std::shared_ptr<const Weights> weights_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<SamplerService> service_;
+  std::unique_ptr<grpc::Server> grpc_server_ ABSL_GUARDED_BY(health_mu_);
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
+  int port_ = 0;
+  int metrics_port_ = 0;
+  int max_receive_bytes_ = 0;
+
+  mutable absl::Mutex health_mu_;
+  bool serving_ ABSL_GUARDED_BY(health_mu_) = false;
+  bool fatal_ ABSL_GUARDED_BY(health_mu_) = false;
+  bool started_ ABSL_GUARDED_BY(health_mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(health_mu_) = false;
+  absl::Mutex stop_mu_;  // serializes Stop()
+};
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_SERVICE_SERVING_SERVER_H_

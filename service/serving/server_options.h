@@ -1,0 +1,95 @@
+// Configuration of flashsamplerd as plain structs, one commented default per
+// field. Only main.cc parses flags; everything else (tests, embedders) fills
+// these structs directly.
+#ifndef FLASHSAMPLER_SERVICE_SERVING_SERVER_OPTIONS_H_
+#define FLASHSAMPLER_SERVICE_SERVING_SERVER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/time/time.h"
+#include "service/weights/weights.h"
+
+namespace flashsampler {
+
+// Transport security. All paths empty = plaintext. cert + key = TLS;
+// additionally client_ca = mutual TLS (clients must present a certificate
+// signed by that CA, or the handshake fails).
+struct TlsOptions {
+  std::string cert_path;       // PEM server certificate chain; "" = no TLS
+  std::string key_path;        // PEM private key of cert_path
+  std::string client_ca_path;  // PEM CA bundle for client certs; "" = no mTLS
+};
+
+// HTTP/2 keepalive. The server pings idle connections so that dead peers
+// (a node gone behind a load balancer) are noticed, and it tolerates client
+// pings down to min_client_ping_interval (clients pinging faster get a GOAWAY).
+struct KeepaliveOptions {
+  absl::Duration time = absl::Seconds(60);     // ping after this much silence
+  absl::Duration timeout = absl::Seconds(20);  // close if no ack by then
+  bool permit_without_calls = true;  // also ping connections with no RPC
+  absl::Duration min_client_ping_interval = absl::Seconds(10);
+};
+
+// Limits the request codec enforces beyond the model's shape.
+struct RequestLimits {
+  int max_samples_per_row = 16;  // largest SamplingParams.n
+  int max_top_logprobs = 20;     // largest LogprobOptions.top_logprobs
+};
+
+// The batcher's knobs.
+struct BatcherOptions {
+  // Most rows in one engine launch; a request never gets split, so this is
+  // also the largest B a request may carry. Clamped to the engine's own
+  // EngineInfo::max_batch_rows.
+  int max_batch_rows = 256;
+  // Rows accepted but not yet launched. A request that would push the queue
+  // past this bound is refused with RESOURCE_EXHAUSTED (memory stays bounded:
+  // the queue holds at most max_queue_rows x D hidden-state elements).
+  int64_t max_queue_rows = 4096;
+};
+
+struct ServerOptions {
+  // gRPC listen address. Port 0 picks a free port (see Server::port()).
+  std::string listen_address = "0.0.0.0:50051";
+  // Prometheus text exposition on http://<metrics_address>:<metrics_port>/
+  // metrics. 0 = no metrics endpoint (the registry still exists in-process).
+  int metrics_port = 9400;
+  std::string metrics_address = "0.0.0.0";
+  TlsOptions tls;
+  KeepaliveOptions keepalive;
+  BatcherOptions batcher;
+  RequestLimits limits;
+  // Most requests of one SampleStream accepted but not yet answered; the
+  // server stops reading that stream until a response has been written.
+  int max_stream_in_flight = 32;
+  // How long Stop() (SIGTERM) lets accepted requests and open streams finish
+  // before the gRPC server cancels what is left.
+  absl::Duration drain_timeout = absl::Seconds(30);
+  // Where W comes from (default: built-in synthetic weights, V=32000, D=512).
+  WeightsOptions weights;
+  // "auto" (cuda when built with the CUDA backend and a GPU is visible, else
+  // cpu), "cpu" or "cuda".
+  std::string backend = "auto";
+  // CPU backend: worker threads (0 = hardware concurrency) and vocabulary
+  // rows per chunk.
+  int cpu_threads = 0;
+  int64_t cpu_chunk_rows = 4096;
+  // CPU backend: batches that may run at once (each has its own slot).
+  int cpu_slots = 1;
+  // CUDA backend: tensor-parallel degree = number of GPUs the vocabulary is
+  // split over, devices 0 .. tp-1. 0 = every visible GPU.
+  int tp = 0;
+  // CUDA backend: batches in flight (two lets copies overlap compute).
+  int cuda_slots = 2;
+  // CUDA backend, tp > 1: how ranks hand their candidates to rank 0. "auto":
+  // NCCL's device API, or CUDA peer access when that cannot be set up;
+  // "nccl": the device API or fail; "peer": CUDA peer access.
+  std::string tp_transport = "auto";
+  // Rows of the warm-up batch run on every slot before health says SERVING.
+  int warmup_rows = 8;
+};
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_SERVICE_SERVING_SERVER_OPTIONS_H_

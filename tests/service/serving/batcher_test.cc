@@ -1,0 +1,342 @@
+// Batcher unit tests on the gated fake engine: coalescing, FIFO without
+// splitting, the row bound, deadlines and cancellation before launch, drain,
+// and engine errors (per batch, and fatal).
+#include "service/serving/batcher.h"
+
+#include <atomic>
+#include <memory>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
+#include "common/dtype_convert.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/service/serving/service_test_util.h"
+
+namespace flashsampler {
+namespace {
+
+using ::testing::ElementsAre;
+using testing::FakeEngine;
+using testing::FakeEngineOptions;
+using testing::FakeState;
+using testing::FakeToken;
+
+constexpr int64_t kHidden = 16;
+constexpr int64_t kVocab = 1000;
+constexpr absl::Duration kWait = absl::Seconds(10);
+
+// What a test item's Done() saw; also owns the item's rows and specs.
+struct Outcome {
+  absl::Notification done;
+  absl::Status status;
+  std::vector<RowResult> results;
+  BatchTiming timing;
+  std::vector<float> hidden;
+  std::vector<uint16_t> hidden16;
+  SamplingParams params;
+  std::vector<RowSpec> specs;
+  std::atomic<bool> cancelled{false};
+};
+
+class TestItem final : public BatchItem {
+ public:
+  explicit TestItem(std::shared_ptr<Outcome> outcome)
+      : outcome_(std::move(outcome)) {}
+  bool IsCancelled() const override { return outcome_->cancelled; }
+  void Done(const absl::Status& status, std::vector<RowResult> results,
+            const BatchTiming& timing) override {
+    outcome_->status = status;
+    outcome_->results = std::move(results);
+    outcome_->timing = timing;
+    outcome_->done.Notify();
+  }
+
+ private:
+  std::shared_ptr<Outcome> outcome_;
+};
+
+// An item of `rows` rows with seeds seed0.. and h[r][0] = first + r.
+std::unique_ptr<TestItem> MakeItem(std::shared_ptr<Outcome>* outcome_out,
+                                   int rows, uint64_t seed0,
+                                   float first = 0.0f) {
+  auto outcome = std::make_shared<Outcome>();
+  outcome->hidden.assign(rows * kHidden, 0.0f);
+  for (int r = 0; r < rows; ++r) outcome->hidden[r * kHidden] = first + r;
+  outcome->specs.resize(rows);
+  for (int r = 0; r < rows; ++r) {
+    outcome->specs[r].params = &outcome->params;
+    outcome->specs[r].seed = seed0 + r;
+  }
+  auto item = std::make_unique<TestItem>(outcome);
+  item->rows = rows;
+  item->dtype = DType::kFp32;
+  item->hidden = outcome->hidden.data();
+  item->specs = outcome->specs.data();
+  *outcome_out = outcome;
+  return item;
+}
+
+struct Fixture {
+  explicit Fixture(FakeEngineOptions engine_options = {},
+                   BatcherOptions options = {})
+      : state(std::make_shared<FakeState>()),
+        engine(state, engine_options),
+        batcher(&engine, options, &metrics,
+                [this](const absl::Status&) { ++fatal_calls; }) {}
+  std::shared_ptr<FakeState> state;
+  FakeEngine engine;
+  Metrics metrics;
+  std::atomic<int> fatal_calls{0};
+  Batcher batcher;
+};
+
+TEST(BatcherTest, SubmitBeforeStartIsUnavailableLoading) {
+  Fixture f;
+  std::shared_ptr<Outcome> o;
+  const absl::Status s = f.batcher.Submit(MakeItem(&o, 1, 1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(s.message(), "loading"));
+}
+
+TEST(BatcherTest, EachRequestGetsItsOwnRows) {
+  Fixture f;
+  f.batcher.Start();
+  std::vector<std::shared_ptr<Outcome>> outcomes(3);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(
+        f.batcher
+            .Submit(MakeItem(&outcomes[i], i + 1, 100 * (i + 1), 10.0f * i))
+            .ok());
+  }
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(outcomes[i]->done.WaitForNotificationWithTimeout(kWait));
+    ASSERT_TRUE(outcomes[i]->status.ok()) << outcomes[i]->status;
+    ASSERT_EQ(outcomes[i]->results.size(), static_cast<size_t>(i + 1));
+    for (int r = 0; r <= i; ++r) {
+      EXPECT_THAT(outcomes[i]->results[r].token_ids,
+                  ElementsAre(FakeToken(10.0f * i + r, 100 * (i + 1) + r, 0, 0,
+                                        kVocab)));
+    }
+  }
+}
+
+TEST(BatcherTest, CoalescesWhatQueuedWhileTheEngineWasBusy) {
+  Fixture f;
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> first;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&first, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  std::vector<std::shared_ptr<Outcome>> rest(5);
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(f.batcher.Submit(MakeItem(&rest[i], 2, 10 * (i + 1))).ok());
+  }
+  f.state->OpenGate();
+  for (auto& o : rest) {
+    ASSERT_TRUE(o->done.WaitForNotificationWithTimeout(kWait));
+    EXPECT_TRUE(o->status.ok());
+    EXPECT_EQ(o->timing.batch_rows, 10);
+  }
+  EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 10));
+  double sum = 0;
+  uint64_t count = 0;
+  f.metrics.BatchRowsSumAndCount(&sum, &count);
+  EXPECT_EQ(count, 2u);
+  EXPECT_EQ(sum, 11.0);
+}
+
+TEST(BatcherTest, NeverSplitsARequestAndKeepsArrivalOrder) {
+  BatcherOptions options;
+  options.max_batch_rows = 4;
+  Fixture f({}, options);
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> a, b, c, d;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&a, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&b, 3, 10)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&c, 2, 20)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&d, 1, 30)).ok());
+  std::shared_ptr<Outcome> too_big;
+  EXPECT_EQ(f.batcher.Submit(MakeItem(&too_big, 5, 40)).code(),
+            absl::StatusCode::kInvalidArgument);
+  f.state->OpenGate();
+  for (auto* o : {&a, &b, &c, &d}) {
+    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
+  }
+  // B (3) fills the second batch; C (2) does not fit beside it, and D must
+  // not jump ahead of C.
+  EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 3, 3));
+}
+
+TEST(BatcherTest, FullQueueIsResourceExhausted) {
+  BatcherOptions options;
+  options.max_queue_rows = 4;
+  Fixture f({}, options);
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> running, q1, q2, over;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&running, 2, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));  // no longer queued
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&q1, 2, 10)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&q2, 2, 20)).ok());
+  const absl::Status s = f.batcher.Submit(MakeItem(&over, 1, 30));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(s.message(), "max_queue_rows = 4"));
+  f.state->OpenGate();
+  for (auto* o : {&running, &q1, &q2}) {
+    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
+    EXPECT_TRUE((*o)->status.ok());
+  }
+}
+
+TEST(BatcherTest, ExpiredAndCancelledRowsAreNotComputed) {
+  Fixture f;
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> running, expired, cancelled, fine;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&running, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  auto item = MakeItem(&expired, 2, 100);
+  item->deadline = absl::Now() + absl::Milliseconds(20);
+  ASSERT_TRUE(f.batcher.Submit(std::move(item)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&cancelled, 2, 200)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&fine, 1, 300)).ok());
+  cancelled->cancelled = true;
+  absl::SleepFor(absl::Milliseconds(50));
+  f.state->OpenGate();
+  for (auto* o : {&running, &expired, &cancelled, &fine}) {
+    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
+  }
+  EXPECT_TRUE(running->status.ok());
+  EXPECT_EQ(expired->status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(cancelled->status.code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(fine->status.ok());
+  EXPECT_THAT(f.state->seeds_computed(), ElementsAre(1u, 300u));
+}
+
+TEST(BatcherTest, DrainFinishesAcceptedWorkAndRefusesNewWork) {
+  Fixture f;
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> a, b, late;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&a, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&b, 1, 2)).ok());
+  f.batcher.StopAccepting();
+  const absl::Status s = f.batcher.Submit(MakeItem(&late, 1, 3));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(s.message(), "draining"));
+  EXPECT_FALSE(f.batcher.WaitIdle(absl::Now() + absl::Milliseconds(50)));
+  std::thread stopper([&f] { f.batcher.Stop(); });
+  absl::SleepFor(absl::Milliseconds(20));
+  f.state->OpenGate();
+  stopper.join();
+  ASSERT_TRUE(a->done.HasBeenNotified());
+  ASSERT_TRUE(b->done.HasBeenNotified());
+  EXPECT_TRUE(a->status.ok());
+  EXPECT_TRUE(b->status.ok());
+}
+
+TEST(BatcherTest, EngineErrorFailsOnlyThatBatch) {
+  Fixture f;
+  f.batcher.Start();
+  f.state->FailNext(absl::InternalError("boom"));
+  std::shared_ptr<Outcome> failed, next;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&failed, 1, 1)).ok());
+  ASSERT_TRUE(failed->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_EQ(failed->status.code(), absl::StatusCode::kInternal);
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&next, 1, 2)).ok());
+  ASSERT_TRUE(next->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(next->status.ok());
+  EXPECT_FALSE(f.batcher.failed());
+  EXPECT_EQ(f.fatal_calls, 0);
+}
+
+TEST(BatcherTest, ARowErrorFailsOnlyTheRequestThatOwnsIt) {
+  Fixture f;
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> first, bad, good;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&first, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  // `bad`'s second row (seed 501) fails; `good` rides in the same batch.
+  f.state->FailRowsWithSeed(501);
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&bad, 2, 500)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&good, 3, 600, 7.0f)).ok());
+  f.state->OpenGate();
+  ASSERT_TRUE(bad->done.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(good->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_EQ(bad->status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(bad->status.message(), "row 1:"))
+      << bad->status;
+  ASSERT_TRUE(good->status.ok()) << good->status;
+  EXPECT_EQ(good->timing.batch_rows, 5);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(good->results[r].token_ids,
+                ElementsAre(FakeToken(7.0f + r, 600 + r, 0, 0, kVocab)));
+  }
+}
+
+TEST(BatcherTest, FatalDeviceErrorFailsEverythingWithoutHanging) {
+  Fixture f;
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> running, queued, later;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&running, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&queued, 1, 2)).ok());
+  f.state->FailNext(absl::UnavailableError("illegal address"));
+  f.state->OpenGate();
+  ASSERT_TRUE(running->done.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(queued->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_EQ(running->status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(queued->status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(f.batcher.failed());
+  EXPECT_EQ(f.fatal_calls, 1);
+  EXPECT_EQ(f.batcher.Submit(MakeItem(&later, 1, 3)).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(f.state->launches(), 0);
+}
+
+TEST(BatcherTest, ConvertsIntoTheEngineInputDtype) {
+  Fixture f;
+  f.batcher.Start();
+  std::shared_ptr<Outcome> o;
+  auto item = MakeItem(&o, 2, 5);
+  o->hidden16.resize(2 * kHidden);
+  for (int i = 0; i < 2 * kHidden; ++i) {
+    o->hidden16[i] = FloatToBf16(1.5f + i);
+  }
+  item->dtype = DType::kBf16;
+  item->hidden = o->hidden16.data();
+  ASSERT_TRUE(f.batcher.Submit(std::move(item)).ok());
+  ASSERT_TRUE(o->done.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(o->status.ok());
+  EXPECT_THAT(o->results[0].token_ids,
+              ElementsAre(FakeToken(1.5f, 5, 0, 0, kVocab)));
+  EXPECT_THAT(o->results[1].token_ids,
+              ElementsAre(FakeToken(1.5f + kHidden, 6, 0, 0, kVocab)));
+}
+
+TEST(BatcherTest, OneWorkerPerSlotRunsBatchesConcurrently) {
+  FakeEngineOptions engine;
+  engine.slots = 2;
+  Fixture f(engine);
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> a, b;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&a, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&b, 1, 2)).ok());
+  EXPECT_TRUE(f.state->WaitForWaiting(2, kWait));
+  f.state->OpenGate();
+  ASSERT_TRUE(a->done.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(b->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 1));
+}
+
+}  // namespace
+}  // namespace flashsampler
