@@ -1,6 +1,6 @@
 // FS_RETURN_IF_ERROR / FS_ASSIGN_OR_RETURN: early return of a non-OK
 // absl::Status, so service code reads as its happy path (errors are values;
-// STYLE.md). Header-only, needs only absl.
+// docs/design.md#errors). Header-only, needs only absl.
 #ifndef FLASHSAMPLER_COMMON_STATUS_MACROS_H_
 #define FLASHSAMPLER_COMMON_STATUS_MACROS_H_
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine: times several fs_bench binaries (builds of
-# different trees) against each other in one session, alternating them run
+# different trees) against each other on one machine, alternating them run
 # by run so that the GPU's clock and power drift hits each alike, and prints
 # the fused / cuBLAS ratio and the fused time per binary, config and batch
 # (median over the rounds). Machines of one kind differ by several percent
-# (docs/perf/README.md), so a change is judged from one such run, not from
+# (docs/performance.md), so a change is judged from one such run, not from
 # runs on two machines.
 #
 #   tools/device/ab.sh <outdir> <rounds> <fs_bench> [<fs_bench> ...]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs HERE (no GPU needed): builds the GPU tests, fs_bench and, when it
-# builds, flashsamplerd for sm_90a in a separate build directory, and copies
+# Runs HERE (no GPU needed): builds the GPU tests, fs_bench and, when they
+# build, flashsamplerd, fs_load and the tensor-parallel test and benchmark
+# for sm_90a in a separate build directory (build-device/), and copies
 # them with every non-system shared library they need into .device_bundle/
 # (ignored by git) as one xz archive (OpenBLAS alone is 36 MB unpacked; the
 # archive is ~13 MB). Take that folder to the GPU machine and run
@@ -8,7 +9,7 @@
 # are not bundled: the GPU machine's own copies are used (tools/device/run.sh
 # finds them).
 #
-#   tools/device/bundle.sh            # FS_BUNDLE_DAEMON=0 skips the daemon
+#   tools/device/bundle.sh            # FS_BUNDLE_DAEMON=0 skips the daemon and fs_load
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd)
@@ -40,7 +41,7 @@ binaries=(
 # test cannot silently drop out of the device run.
 optional=()
 if [[ ${FS_BUNDLE_DAEMON:-1} == 1 ]]; then
-  optional+=(flashsamplerd)
+  optional+=(flashsamplerd fs_load)
 fi
 optional+=(fs_tp_bench tp_gpu_test)
 # The Makefiles' target list ("... name" lines). A failing help call fails

@@ -3,7 +3,8 @@
 # fs_device_env DIR: DIR is either the folder holding bundle.tar.xz (made by
 # tools/device/bundle.sh; unpacked into $TMPDIR/fs_device_bundle) or an
 # unpacked bundle. Sets FS_BUNDLE to the unpacked bundle's absolute path,
-# turns NVLink multicast off for every child process (DESIGN.md), and puts
+# turns NVLink multicast off for every child process
+# (docs/design.md#nvlink-multicast), and puts
 # the bundle's libraries, the image's cuBLAS and its NCCL 2.28.9 (matching
 # the headers the bundle was built with; the system NCCL is older) on the
 # library path.

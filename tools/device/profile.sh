@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine after tools/device/run.sh (or this script) has
 # unpacked the bundle: profiles fs_bench's kernels at one (config, batch)
-# with Nsight Compute, clocks left alone (--clock-control none, METHOD.md),
+# with Nsight Compute, clocks left alone (--clock-control none: the GPU runs
+# at the clocks it serves at, as in docs/performance.md),
 # and writes text reports an engineer can read without the ncu GUI:
 #   <out>/ncu_details.txt   per-launch sections (speed of light, compute and
 #                           memory workload, warp states, scheduler stats)
@@ -25,7 +26,7 @@ mkdir -p "$out/bench"
 
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [[ -z $ncu ]]; then
-  echo "device_profile: ncu not found" >&2
+  echo "profile: ncu not found" >&2
   exit 1
 fi
 echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) tools/device/profile.sh $config B=$batch ($($ncu --version | tail -1))"

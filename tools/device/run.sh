@@ -10,7 +10,8 @@
 # The bench also times the fused / cuBLAS pair at B = 128 and 256 again with
 # 1000 calls per method (results_steady.csv; FS_BENCH_STEADY=0 skips it):
 # there every method runs at the GPU's power cap, and a 100-call median moves
-# with its place in the run (docs/perf/README.md, Method). Then batches
+# with its place in the run (docs/performance.md#how-the-kernel-is-measured).
+# Then batches
 # between the powers of two, without the sweep (results_between.csv;
 # FS_BENCH_BETWEEN=0 skips it).
 set -uo pipefail
@@ -110,9 +111,9 @@ if [[ $mode == bench || $mode == all ]]; then
     fi
   fi
   if [[ ${FS_BENCH_BETWEEN:-1} != 0 ]]; then
-    # Issue 4's batches are powers of two; a decode step's batch is any
-    # size, and partial batch tiles once cost 2.5x cuBLAS there
-    # (docs/perf/fused_kernel_attempts.md, attempt 51).
+    # The sweep's batches are powers of two; a decode step's batch is any
+    # size, and a partial batch tile has its own costs (1.12-1.56x cuBLAS
+    # at B = 129..255, docs/performance.md).
     say "== fs_bench, batches between the powers of two"
     between=$(mktemp -d)
     timeout "${FS_BENCH_TIMEOUT:-300}" "$bundle/bin/fs_bench" --out "$between" \

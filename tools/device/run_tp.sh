@@ -88,7 +88,7 @@ summary() {
   fi
   if [[ -s "$csv" ]]; then
     echo
-    # Acceptance (issue 5): TP2 fused >= 1.85x TP1 fused and <= 0.70x of the
+    # Targets: TP2 fused >= 1.85x TP1 fused and <= 0.70x of the
     # TP2 all-gather baseline, at every B; fused tokens equal TP1's.
     awk -F, 'NR > 1 {
         mode = $4; split_ = $9; b = $6; us = $12; x = $14; ag = $15; mm = $16

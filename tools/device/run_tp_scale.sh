@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Runs ON a GPU machine with 4 or 8 GPUs (issue 6), from a bundle:
+# Runs ON a GPU machine with 4 or 8 GPUs, from a bundle:
 # tp_gpu_test (its one-rank-per-GPU cases run where that many GPUs exist, the
 # others skip loudly) and fs_tp_bench at TP = 4 and, with 8 GPUs, TP = 8, for
 # V=128256, D=8192 and V=151936, D=4096, B in {1, 16, 64, 256}, min over 5 runs
-# of 100 calls. Prints issue 6's acceptance verdicts last.
+# of 100 calls. Prints the scaling targets' verdicts last.
 #
 #   tools/device/run_tp_scale.sh .device_bundle <outdir>   # or an unpacked bundle
 set -uo pipefail
@@ -46,7 +46,7 @@ for tp in 4 8; do
   done
 done
 
-# Issue 6: TP4 >= 3.5x and TP8 >= 6.5x TP1 at B = 256 (both configs); TP8 <=
+# Targets: TP4 >= 3.5x and TP8 >= 6.5x TP1 at B = 256 (both configs); TP8 <=
 # 0.5x its all-gather baseline at B = 16; TP8 not slower than TP4 at B >= 64
 # (small config). Columns: config,device,gpus,date,mode,tp,batch,...,us_min
 # ($13), speedup_vs_tp1 ($15), ratio_vs_allgather ($16), mismatches ($17).
