@@ -2,7 +2,7 @@
 over loopback: the Python client and flashsampler-cli (the C++ client) get
 identical tokens for the same hidden states and seeds; model info, health
 and error mapping; the metric names the alert rules and dashboard use exist;
-fs_load and plot_latency.py work against it; SIGTERM stops it with exit 0.
+fs_load (unary and --stream) and plot_latency.py work against it; SIGTERM stops it with exit 0.
 
 Environment (set by tests/client/CMakeLists.txt): FLASHSAMPLERD,
 FLASHSAMPLER_CLI, FS_LOAD (paths of the built binaries), PYTHONPATH with
@@ -201,6 +201,12 @@ class DaemonTest(unittest.TestCase):
                                 capture_output=True, text=True, timeout=60)
         self.assertEqual(closed.returncode, 0, closed.stdout + closed.stderr)
         self.assertIn("p99", closed.stdout)
+        streamed = subprocess.run(base + ["--mode=closed", "--concurrency=4",
+                                          "--stream", "--label=s4"],
+                                  capture_output=True, text=True, timeout=60)
+        self.assertEqual(streamed.returncode, 0,
+                         streamed.stdout + streamed.stderr)
+        self.assertIn("one SampleStream each", streamed.stdout)
         opened = subprocess.run(base + ["--mode=open", "--rate=50",
                                         f"--csv={open_calls}"],
                                 capture_output=True, text=True, timeout=60)
@@ -211,7 +217,7 @@ class DaemonTest(unittest.TestCase):
         self.assertGreater(len(lines), 5)
         self.assertTrue(all(line.endswith(",OK,2") for line in lines[1:]))
         with open(summary) as f:
-            self.assertEqual(len(f.read().splitlines()), 3)  # header + 2 runs
+            self.assertEqual(len(f.read().splitlines()), 4)  # header + 3 runs
 
         plot = os.path.join(REPO, "load", "plot_latency.py")
         env = dict(os.environ, MPLBACKEND="Agg",
