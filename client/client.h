@@ -1,6 +1,7 @@
 // C++ client library for flashsamplerd: one channel (plaintext, TLS or mutual
 // TLS; round_robin over every address a target resolves to), per-call
-// deadlines and retry with exponential backoff and jitter on UNAVAILABLE.
+// deadlines and retry with exponential backoff and jitter on UNAVAILABLE, and
+// SampleStream (many requests, answers in order, on one call).
 #ifndef FLASHSAMPLER_CLIENT_CLIENT_H_
 #define FLASHSAMPLER_CLIENT_CLIENT_H_
 
