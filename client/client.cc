@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -208,6 +209,55 @@ absl::Status ToAbslStatus(const grpc::Status& status) {
                       status.error_message());
 }
 
+absl::Status ResponseStatus(const v1::SampleResponse& response) {
+  if (!response.has_error() || response.error().code() == 0) {
+    return absl::OkStatus();
+  }
+  return absl::Status(static_cast<absl::StatusCode>(response.error().code()),
+                      response.error().message());
+}
+
+SampleStream::~SampleStream() {
+  if (!finished_) {
+    context_.TryCancel();
+    Finish().IgnoreError();  // cancelled: the status says only that
+  }
+}
+
+bool SampleStream::Write(const v1::SampleRequest& request) {
+  return stream_->Write(request);
+}
+
+bool SampleStream::Read(v1::SampleResponse* response) {
+  return stream_->Read(response);
+}
+
+bool SampleStream::WritesDone() { return stream_->WritesDone(); }
+
+absl::Status SampleStream::Finish() {
+  if (finished_) {
+    return absl::FailedPreconditionError("SampleStream: Finish() twice");
+  }
+  finished_ = true;
+  return ToAbslStatus(stream_->Finish());
+}
+
+absl::StatusOr<v1::SampleResponse> SampleStream::Sample(
+    const v1::SampleRequest& request) {
+  if (finished_) {
+    return absl::FailedPreconditionError("SampleStream: already finished");
+  }
+  v1::SampleResponse response;
+  if (Write(request) && Read(&response)) return response;
+  // Broken: the server's status says why (Finish drains what is left).
+  context_.TryCancel();
+  absl::Status status = Finish();
+  if (status.ok()) {
+    return absl::DataLossError("SampleStream ended before the response");
+  }
+  return status;
+}
+
 absl::StatusOr<v1::SampleRequest> MakeSampleRequest(
     absl::Span<const float> hidden, int64_t rows, int64_t dim,
     const RequestFields& fields, DType wire_dtype) {
@@ -376,6 +426,46 @@ absl::StatusOr<HealthStatus> SamplerClient::CheckHealth(
   if (absl::IsNotFound(status)) return HealthStatus::kServiceUnknown;
   if (!status.ok()) return status;
   return DecodeHealthResponse(reply);
+}
+
+std::unique_ptr<SampleStream> SamplerClient::OpenStream(
+    absl::Duration timeout) {
+  std::unique_ptr<SampleStream> stream(new SampleStream);
+  if (timeout != absl::InfiniteDuration()) {
+    stream->context_.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+  stream->context_.set_wait_for_ready(options_.wait_for_ready);
+  stream->stream_ = stub_->SampleStream(&stream->context_);
+  return stream;
+}
+
+absl::StatusOr<std::vector<v1::SampleResponse>> SamplerClient::SampleMany(
+    absl::Span<const v1::SampleRequest> requests, absl::Duration timeout) {
+  std::unique_ptr<SampleStream> stream = OpenStream(timeout);
+  std::thread writer([&] {
+    for (const v1::SampleRequest& request : requests) {
+      if (!stream->Write(request)) return;
+    }
+    stream->WritesDone();
+  });
+  std::vector<v1::SampleResponse> responses;
+  responses.reserve(requests.size());
+  for (v1::SampleResponse response; stream->Read(&response);) {
+    responses.push_back(std::move(response));
+    response.Clear();
+  }
+  // Read ends only when the stream does; a writer still blocked then has
+  // its Write fail, so the join cannot hang.
+  if (responses.size() != requests.size()) stream->Cancel();
+  writer.join();
+  absl::Status status = stream->Finish();
+  if (!status.ok()) return status;
+  if (responses.size() != requests.size()) {
+    return absl::DataLossError(absl::StrCat("SampleStream: ", responses.size(),
+                                            " responses to ", requests.size(),
+                                            " requests"));
+  }
+  return responses;
 }
 
 void SamplerClient::SampleAsync(

@@ -1,6 +1,7 @@
 // C++ client library for flashsamplerd: one channel (plaintext, TLS or mutual
 // TLS; round_robin over every address a target resolves to), per-call
-// deadlines and retry with exponential backoff and jitter on UNAVAILABLE.
+// deadlines and retry with exponential backoff and jitter on UNAVAILABLE, and
+// SampleStream (many requests, answers in order, on one call).
 #ifndef FLASHSAMPLER_CLIENT_CLIENT_H_
 #define FLASHSAMPLER_CLIENT_CLIENT_H_
 
@@ -101,6 +102,48 @@ absl::StatusOr<v1::SampleRequest> MakeSampleRequest16(
 // gRPC status -> absl::Status (the code numbers are the same google.rpc.Code).
 absl::Status ToAbslStatus(const grpc::Status& status);
 
+// OK, or the failure a SampleStream response carries in its `error` field
+// (the server refused that one request; the stream goes on).
+absl::Status ResponseStatus(const v1::SampleResponse& response);
+
+// One open SampleStream call: requests go out in order and their responses
+// come back in the same order. One thread may Write while another Reads
+// (several requests in flight); never two Writes or two Reads at once.
+// Streams are not retried: after a broken stream the caller cannot tell
+// which requests were sampled.
+class SampleStream {
+ public:
+  ~SampleStream();
+  SampleStream(const SampleStream&) = delete;
+  SampleStream& operator=(const SampleStream&) = delete;
+
+  // False when the stream is broken (Finish() says why).
+  bool Write(const v1::SampleRequest& request);
+  // The next response; false when the stream has ended.
+  bool Read(v1::SampleResponse* response);
+  // No more requests; responses to those written still arrive.
+  bool WritesDone();
+  // The stream's status once every response has been read (or after
+  // Cancel()). Call once.
+  absl::Status Finish();
+  // Write then Read: one round trip with nothing else in flight. A request
+  // the server refused is a response with `error` set (ResponseStatus).
+  // When the stream broke, the stream's status (Finish() is then done).
+  absl::StatusOr<v1::SampleResponse> Sample(const v1::SampleRequest& request);
+  void Cancel() { context_.TryCancel(); }
+  bool finished() const { return finished_; }
+
+ private:
+  friend class SamplerClient;
+  SampleStream() = default;
+
+  grpc::ClientContext context_;
+  std::unique_ptr<
+      grpc::ClientReaderWriter<v1::SampleRequest, v1::SampleResponse>>
+      stream_;
+  bool finished_ = false;
+};
+
 // Thread-safe; one per process is enough (the channel multiplexes calls).
 class SamplerClient {
  public:
@@ -113,6 +156,18 @@ class SamplerClient {
   // grpc.health.v1.Health/Check; "" asks about the whole server. A service
   // the server does not know is kServiceUnknown (the protocol's NOT_FOUND).
   absl::StatusOr<HealthStatus> CheckHealth(const std::string& service = "");
+
+  // Opens a SampleStream. `timeout` bounds the whole stream; infinite = no
+  // deadline (a stream kept open by an engine for its whole life).
+  std::unique_ptr<SampleStream> OpenStream(
+      absl::Duration timeout = absl::InfiniteDuration());
+  // Sends every request on one stream (a writer thread, so that neither side
+  // waits on flow control) and returns one response per request, in order;
+  // refused requests have `error` set. The stream's status when it fails,
+  // DATA_LOSS when it ends with responses missing.
+  absl::StatusOr<std::vector<v1::SampleResponse>> SampleMany(
+      absl::Span<const v1::SampleRequest> requests,
+      absl::Duration timeout = absl::InfiniteDuration());
 
   // One attempt, no retry, non-blocking: `done` runs on a gRPC thread when
   // the call ends. For load generators that must not wait for a response

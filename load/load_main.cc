@@ -1,6 +1,7 @@
 // fs_load: load generator for flashsamplerd.
 //   fs_load --target=host:port --mode=closed --concurrency=16 --duration=30s
 //   fs_load --target=host:port --mode=open --rate=500 --rows=4 --csv=run.csv
+//   fs_load --target=host:port --mode=closed --concurrency=16 --stream
 // Prints latency percentiles, throughput and error counts by gRPC code;
 // --csv writes one line per call (load/plot_latency.py plots it) and
 // --summary_csv appends one line per run (for sweeps).
@@ -25,6 +26,9 @@ ABSL_FLAG(std::string, mode, "closed",
           "closed: --concurrency callers back to back; open: Poisson "
           "arrivals at --rate per second");
 ABSL_FLAG(int, concurrency, 8, "closed loop: concurrent callers");
+ABSL_FLAG(bool, stream, false,
+          "closed loop: each caller keeps one SampleStream open and sends "
+          "its requests on it (no per-call retries)");
 ABSL_FLAG(double, rate, 100.0, "open loop: mean requests per second");
 ABSL_FLAG(int, max_outstanding, 10000,
           "open loop: most calls in flight; later arrivals count as dropped");
@@ -61,7 +65,7 @@ int Fail(const absl::Status& status) {
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "fs_load --target=host:port [--mode=closed --concurrency=N | "
+      "fs_load --target=host:port [--mode=closed --concurrency=N [--stream] | "
       "--mode=open --rate=R] [--duration=10s --rows=B --csv=out.csv]");
   absl::ParseCommandLine(argc, argv);
 
@@ -76,6 +80,7 @@ int Main(int argc, char** argv) {
         absl::StrCat("--mode: closed or open, got \"", mode, "\"")));
   }
   load.concurrency = absl::GetFlag(FLAGS_concurrency);
+  load.stream = absl::GetFlag(FLAGS_stream);
   load.rate = absl::GetFlag(FLAGS_rate);
   load.max_outstanding = absl::GetFlag(FLAGS_max_outstanding);
   load.duration = absl::GetFlag(FLAGS_duration);
@@ -129,7 +134,8 @@ int Main(int argc, char** argv) {
   std::printf("target        %s\nmode          %s", options.target.c_str(),
               mode.c_str());
   if (load.mode == LoadOptions::Mode::kClosed) {
-    std::printf(" (%d callers)", load.concurrency);
+    std::printf(" (%d callers%s)", load.concurrency,
+                load.stream ? ", one SampleStream each" : "");
   } else {
     std::printf(" (%.1f req/s offered)", load.rate);
   }

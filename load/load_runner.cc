@@ -1,10 +1,12 @@
-// Closed-loop callers on threads; the open loop on one dispatcher thread that
-// sends at the scheduled Poisson arrival times through the async client API,
-// so that slow answers never delay the next send.
+// Closed-loop callers on threads (unary calls, or one SampleStream each); the
+// open loop on one dispatcher thread that sends at the scheduled Poisson
+// arrival times through the async client API, so that slow answers never
+// delay the next send.
 #include "load/load_runner.h"
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <thread>
 #include <utility>
@@ -24,6 +26,7 @@ int RequestRows(const v1::SampleRequest& request) {
 absl::StatusCode Check(const absl::StatusOr<v1::SampleResponse>& response,
                        int rows) {
   if (!response.ok()) return response.status().code();
+  if (absl::Status s = ResponseStatus(*response); !s.ok()) return s.code();
   const int n = std::max(response->n(), 1);
   return response->token_ids_size() == rows * n ? absl::StatusCode::kOk
                                                 : absl::StatusCode::kDataLoss;
@@ -44,12 +47,27 @@ LoadResult RunClosed(SamplerClient& client, const v1::SampleRequest& request,
   for (int i = 0; i < options.concurrency; ++i) {
     callers.emplace_back([&, i] {
       std::vector<CallRecord>& records = per_caller[static_cast<size_t>(i)];
+      std::unique_ptr<SampleStream> stream;
       for (absl::Time start = absl::Now(); start < end; start = absl::Now()) {
-        const absl::StatusCode code = Check(client.Sample(request), rows);
+        absl::StatusCode code;
+        if (options.stream) {
+          if (stream == nullptr || stream->finished()) {
+            stream = client.OpenStream(end - start + client.options().timeout);
+          }
+          code = Check(stream->Sample(request), rows);
+        } else {
+          code = Check(client.Sample(request), rows);
+        }
         const absl::Time done = absl::Now();
         if (start < measure_start) continue;
         records.push_back({absl::ToDoubleSeconds(start - measure_start),
                            absl::ToDoubleSeconds(done - start), code, rows});
+      }
+      if (stream != nullptr && !stream->finished()) {
+        stream->WritesDone();
+        // The run's records hold every answer; how the stream ended adds
+        // nothing to them.
+        stream->Finish().IgnoreError();
       }
     });
   }
@@ -156,6 +174,10 @@ absl::StatusOr<LoadResult> RunLoad(
       return absl::InvalidArgumentError("concurrency: must be >= 1");
     }
     return RunClosed(client, *request, options);
+  }
+  if (options.stream) {
+    return absl::InvalidArgumentError(
+        "stream: closed loop only (each caller keeps one stream)");
   }
   if (!(options.rate > 0.0) || options.max_outstanding < 1) {
     return absl::InvalidArgumentError(

@@ -21,6 +21,13 @@ struct LoadOptions {
   enum class Mode { kClosed, kOpen };
   Mode mode = Mode::kClosed;
   int concurrency = 8;  // closed loop: callers
+  // Closed loop: each caller keeps one SampleStream open and sends its
+  // requests on it (the way an engine holding a stream calls) instead of
+  // one Sample call per request. A broken stream counts its status for the
+  // request in flight and the caller opens a new one. A stalled server holds
+  // a caller until the stream's deadline: the rest of the run plus the
+  // client's timeout.
+  bool stream = false;
   double rate = 100.0;  // open loop: mean arrivals per second
   // Measured window; calls that start in the warm-up before it are sent but
   // not recorded (connections, server caches and thread pools warm up).
@@ -46,8 +53,9 @@ std::vector<double> PoissonArrivals(double rate, double horizon_s,
                                     uint64_t seed);
 
 // Sends `request` again and again as `options` says. A response whose
-// token count is not rows x n counts as DATA_LOSS. InvalidArgument for
-// options out of range.
+// token count is not rows x n counts as DATA_LOSS, one whose `error` is set
+// (SampleStream) as that error's code. InvalidArgument for options out of
+// range (`stream` is for the closed loop only).
 absl::StatusOr<LoadResult> RunLoad(
     SamplerClient& client, std::shared_ptr<const v1::SampleRequest> request,
     const LoadOptions& options);

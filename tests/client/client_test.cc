@@ -1,6 +1,7 @@
 // SamplerClient against scripted in-process servers: retry and backoff on
 // UNAVAILABLE, deadlines, round_robin spreading, dns:/// targets, health,
-// TLS and mutual TLS, and the request builders.
+// TLS and mutual TLS, the request builders, and SampleStream (in order,
+// refused requests answered in place, broken and stalled streams).
 #include "client/client.h"
 
 #include <cstring>
@@ -325,6 +326,92 @@ TEST(SamplerClientTest, SampleAsyncDeliversResponseAndErrors) {
       EXPECT_EQ(result->token_ids(1), FakeToken(6, 1, 0));
     }
   }
+}
+
+std::vector<v1::SampleRequest> NumberedRequests(int count) {
+  std::vector<v1::SampleRequest> requests;
+  for (int i = 0; i < count; ++i) {
+    std::vector<float> hidden(static_cast<size_t>((i % 3 + 1) * kDim), 1.0f);
+    RequestFields fields;
+    fields.request_id = absl::StrCat("r", i);
+    fields.seeds.assign(static_cast<size_t>(i % 3 + 1), 100u + i);
+    auto request = MakeSampleRequest(hidden, i % 3 + 1, kDim, fields);
+    EXPECT_TRUE(request.ok()) << request.status();
+    requests.push_back(*std::move(request));
+  }
+  return requests;
+}
+
+TEST(SampleStreamTest, SampleManyAnswersEveryRequestInOrder) {
+  auto server = FakeSamplerServer::Start(4);
+  ASSERT_NE(server, nullptr);
+  // Every 5th request fails inside the stream: answered in place, with the
+  // error, and the stream goes on.
+  server->service().FailEvery(5, grpc::StatusCode::INVALID_ARGUMENT);
+  auto client = MustCreate(FastRetryOptions(server->address()));
+  const std::vector<v1::SampleRequest> requests = NumberedRequests(300);
+  auto responses = client->SampleMany(requests, absl::Seconds(30));
+  ASSERT_TRUE(responses.ok()) << responses.status();
+  ASSERT_EQ(responses->size(), requests.size());
+  EXPECT_EQ(server->service().streams(), 1);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const v1::SampleResponse& response = (*responses)[i];
+    EXPECT_EQ(response.request_id(), absl::StrCat("r", i));
+    if ((i + 1) % 5 == 0) {
+      EXPECT_EQ(ResponseStatus(response).code(),
+                absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(ResponseStatus(response).message(),
+                  HasSubstr("scripted failure"));
+      continue;
+    }
+    ASSERT_TRUE(ResponseStatus(response).ok()) << ResponseStatus(response);
+    const int rows = static_cast<int>(i % 3) + 1;
+    ASSERT_EQ(response.token_ids_size(), rows);
+    EXPECT_EQ(response.token_ids(rows - 1), FakeToken(4, rows - 1, 0));
+    EXPECT_EQ(response.seeds(0), 100u + i);
+  }
+}
+
+TEST(SampleStreamTest, OpenStreamRoundTripsOnOneStream) {
+  auto server = FakeSamplerServer::Start(2);
+  ASSERT_NE(server, nullptr);
+  auto client = MustCreate(FastRetryOptions(server->address()));
+  auto stream = client->OpenStream();
+  for (const v1::SampleRequest& request : NumberedRequests(10)) {
+    auto response = stream->Sample(request);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_EQ(response->request_id(), request.request_id());
+    EXPECT_EQ(response->seeds_size(), request.hidden_states().shape(0));
+  }
+  EXPECT_TRUE(stream->WritesDone());
+  v1::SampleResponse extra;
+  EXPECT_FALSE(stream->Read(&extra));
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(server->service().streams(), 1);
+  EXPECT_EQ(server->service().calls(), 10);
+}
+
+TEST(SampleStreamTest, BrokenStreamReportsTheStreamsStatus) {
+  auto client = MustCreate(FastRetryOptions("127.0.0.1:1"));  // nothing there
+  auto stream = client->OpenStream(absl::Seconds(5));
+  auto response = stream->Sample(TwoRowRequest());
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(stream->finished());
+  EXPECT_EQ(stream->Sample(TwoRowRequest()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  auto many = client->SampleMany(NumberedRequests(3), absl::Seconds(5));
+  EXPECT_EQ(many.status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(SampleStreamTest, StreamDeadlineEndsAStalledStream) {
+  auto server = FakeSamplerServer::Start(1);
+  ASSERT_NE(server, nullptr);
+  server->service().set_delay(absl::Seconds(20));
+  auto client = MustCreate(FastRetryOptions(server->address()));
+  const absl::Time start = absl::Now();
+  auto many = client->SampleMany(NumberedRequests(2), absl::Milliseconds(300));
+  EXPECT_EQ(many.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
 }
 
 class TlsTest : public ::testing::Test {

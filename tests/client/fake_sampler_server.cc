@@ -74,6 +74,25 @@ grpc::Status FakeSamplerService::Sample(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status FakeSamplerService::SampleStream(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::SampleResponse, v1::SampleRequest>* stream) {
+  ++streams_;
+  v1::SampleRequest request;
+  while (stream->Read(&request)) {
+    v1::SampleResponse response;
+    const grpc::Status status = Sample(context, &request, &response);
+    if (!status.ok()) {
+      response.Clear();
+      response.set_request_id(request.request_id());
+      response.mutable_error()->set_code(status.error_code());
+      response.mutable_error()->set_message(status.error_message());
+    }
+    if (!stream->Write(response)) break;
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status FakeSamplerService::GetModelInfo(
     grpc::ServerContext* /*context*/,
     const v1::GetModelInfoRequest* /*request*/, v1::ModelInfo* info) {

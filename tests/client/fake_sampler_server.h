@@ -46,6 +46,14 @@ class FakeSamplerService final : public v1::Sampler::Service {
   grpc::Status Sample(grpc::ServerContext* context,
                       const v1::SampleRequest* request,
                       v1::SampleResponse* response) override;
+  // One response per request, in order, each made as Sample() makes it; a
+  // request Sample() fails is answered with that failure in `error`.
+  grpc::Status SampleStream(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::SampleResponse, v1::SampleRequest>* stream)
+      override;
+  // SampleStream calls opened so far.
+  int streams() const { return streams_.load(); }
   grpc::Status GetModelInfo(grpc::ServerContext* context,
                             const v1::GetModelInfoRequest* request,
                             v1::ModelInfo* info) override;
@@ -56,6 +64,7 @@ class FakeSamplerService final : public v1::Sampler::Service {
  private:
   const int server_id_;
   std::atomic<int> calls_{0};
+  std::atomic<int> streams_{0};
   std::atomic<int> fail_first_{0};
   std::atomic<int> fail_every_{0};
   std::atomic<grpc::StatusCode> fail_code_{grpc::StatusCode::UNAVAILABLE};

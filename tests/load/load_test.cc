@@ -1,12 +1,14 @@
 // The load generator: nearest-rank percentiles, summaries and CSVs, the
 // Poisson schedule, and both load shapes against a scripted server
-// (counts, error codes by name, no coordinated omission).
+// (counts, error codes by name, no coordinated omission), unary or on one
+// SampleStream per caller.
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/client.h"
@@ -166,6 +168,65 @@ TEST_F(LoadRunTest, ClosedLoopKeepsConcurrencyCallersBusy) {
   EXPECT_GT(server_->service().calls(), static_cast<int>(s.requests));
 }
 
+TEST_F(LoadRunTest, ClosedLoopStreamKeepsOneStreamPerCaller) {
+  server_->service().set_delay(absl::Milliseconds(20));
+  LoadOptions options;
+  options.mode = LoadOptions::Mode::kClosed;
+  options.stream = true;
+  options.concurrency = 4;
+  options.duration = absl::Milliseconds(500);
+  options.warmup = absl::Milliseconds(100);
+  auto result = RunLoad(*client_, request_, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const LoadSummary s = Summarize(result->records, result->duration_s, 0);
+  // The same bounds as unary calls: one request in flight per caller.
+  EXPECT_GE(s.ok, 50);
+  EXPECT_LE(s.ok, 104);
+  EXPECT_EQ(s.errors, 0);
+  EXPECT_GE(s.p50_s, 0.020);
+  for (const CallRecord& r : result->records) EXPECT_EQ(r.rows, 3);
+  // Every request went on the callers' streams: 4 streams, no unary call
+  // besides the stream's own (the fake counts each streamed request).
+  EXPECT_EQ(server_->service().streams(), 4);
+  EXPECT_GT(server_->service().calls(), static_cast<int>(s.requests));
+}
+
+TEST_F(LoadRunTest, ClosedLoopStreamCountsPerRequestErrorsByCode) {
+  // Refused requests are answered in the stream; the streams stay open.
+  server_->service().FailEvery(5, grpc::StatusCode::RESOURCE_EXHAUSTED);
+  LoadOptions options;
+  options.stream = true;
+  options.concurrency = 2;
+  options.duration = absl::Milliseconds(200);
+  auto result = RunLoad(*client_, request_, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const LoadSummary s = Summarize(result->records, result->duration_s, 0);
+  EXPECT_GT(s.ok, 0);
+  EXPECT_EQ(s.codes.at("RESOURCE_EXHAUSTED"), server_->service().calls() / 5);
+  EXPECT_EQ(s.ok + s.codes.at("RESOURCE_EXHAUSTED"), s.requests);
+  EXPECT_EQ(server_->service().streams(), 2);
+}
+
+TEST_F(LoadRunTest, ClosedLoopStreamSurvivesABrokenStream) {
+  LoadOptions options;
+  options.stream = true;
+  options.concurrency = 1;
+  options.duration = absl::Milliseconds(300);
+  server_->service().set_delay(absl::Milliseconds(5));
+  std::thread restarter([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    // Cancels every call in flight, the open stream included.
+    server_->server().Shutdown(absl::ToChronoTime(absl::Now()));
+  });
+  auto result = RunLoad(*client_, request_, options);
+  restarter.join();
+  ASSERT_TRUE(result.ok()) << result.status();
+  const LoadSummary s = Summarize(result->records, result->duration_s, 0);
+  EXPECT_GT(s.ok, 0);
+  EXPECT_GT(s.errors, 0);  // the stream broke; each new one fails to open
+  EXPECT_EQ(s.ok + s.errors, s.requests);
+}
+
 TEST_F(LoadRunTest, OpenLoopSendsAtTheOfferedRateAndCountsErrorsByCode) {
   server_->service().FailEvery(5, grpc::StatusCode::RESOURCE_EXHAUSTED);
   LoadOptions options;
@@ -224,6 +285,10 @@ TEST_F(LoadRunTest, RejectsBadOptions) {
   options = LoadOptions();
   options.mode = LoadOptions::Mode::kOpen;
   options.rate = 0.0;
+  EXPECT_EQ(RunLoad(*client_, request_, options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  options.rate = 10.0;
+  options.stream = true;  // streams are for the closed loop's callers
   EXPECT_EQ(RunLoad(*client_, request_, options).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RunLoad(*client_, nullptr, LoadOptions()).status().code(),

@@ -1,172 +1,105 @@
-"""FlashSamplerClient: numpy hidden states in, numpy token ids out, over gRPC.
+"""FlashSamplerClient: hidden states (numpy or torch) in, numpy token ids out,
+over a blocking gRPC channel. flashsampler_client.aio has the same API for
+asyncio callers.
 
 Deadlines cover every attempt; UNAVAILABLE is retried with exponential backoff
-and jitter (the same policy as the C++ client in client/client.h).
+and jitter (the same policy as the C++ client in client/client.h). Streams are
+never retried: after a broken stream the caller cannot tell which requests
+were sampled.
 """
 
-import random
+import queue
 import time
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 import grpc
-import numpy as np
 
-try:
-    from flashsampler.v1 import sampler_pb2, sampler_pb2_grpc
-except ImportError as error:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "flashsampler_client needs the modules generated from "
-        "proto/flashsampler/v1/sampler.proto (flashsampler.v1.sampler_pb2). "
-        "From a build tree: PYTHONPATH=<build>/python:client/python; or "
-        "`pip install client/python`, which generates them (see "
-        "client/python/README.md).") from error
+from flashsampler.v1 import sampler_pb2
+from flashsampler_client._common import (
+    GET_MODEL_INFO, HEALTH_CHECK, SAMPLE, SAMPLE_STREAM, ClientConfig,
+    DeadlineExceededError, FlashSamplerError, HiddenStates, PemSource,
+    RowValues, Seeds, Tokens, check_response)
+from flashsampler_client._common import \
+    decode_health_response as _decode_health_response
+from flashsampler_client._common import \
+    encode_health_request as _encode_health_request
+from flashsampler_client._common import to_error, tokens_and_seeds
 
-__all__ = [
-    "FlashSamplerClient",
-    "FlashSamplerError",
-    "InvalidArgumentError",
-    "UnavailableError",
-    "ResourceExhaustedError",
-    "DeadlineExceededError",
-    "UnimplementedError",
-    "sampler_pb2",
-]
+__all__ = ["FlashSamplerClient", "SampleStream", "check_response",
+           "sampler_pb2"]
+
+_Request = sampler_pb2.SampleRequest
+_Response = sampler_pb2.SampleResponse
 
 
-class FlashSamplerError(Exception):
-    """A call failed; `code` is the grpc.StatusCode, `message` the server's."""
+class SampleStream:
+    """One open SampleStream call: send() requests, recv() their responses in
+    the same order. send() never blocks (requests queue until gRPC takes
+    them), so a caller may keep several requests in flight.
 
-    def __init__(self, code, message):
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
+    A response to a request the server refused has its `error` field set
+    (check_response() raises it); the stream stays open. recv() raises
+    FlashSamplerError when the stream itself fails (server draining,
+    deadline, cancel), EOFError after the last response.
+    """
 
+    def __init__(self, multicallable: Any, timeout: Optional[float],
+                 wait_for_ready: bool) -> None:
+        self._requests: "queue.SimpleQueue[Optional[_Request]]" = (
+            queue.SimpleQueue())
+        self._closed = False
+        self._call = multicallable(iter(self._requests.get, None),
+                                   timeout=timeout,
+                                   wait_for_ready=wait_for_ready)
 
-class InvalidArgumentError(FlashSamplerError, ValueError):
-    """The server refused the request (shape, dtype, parameter ranges)."""
+    def send(self, request: _Request) -> None:
+        if self._closed:
+            raise ValueError("send() after close()")
+        self._requests.put(request)
 
+    def recv(self) -> _Response:
+        try:
+            response: _Response = next(self._call)
+            return response
+        except StopIteration:
+            raise EOFError("SampleStream: no more responses") from None
+        except grpc.RpcError as error:
+            raise to_error(error) from None
 
-class UnavailableError(FlashSamplerError, ConnectionError):
-    """Unreachable, loading or draining, after every retry."""
+    def sample(self, request: _Request) -> _Response:
+        """send() then recv(): the round trip of one request, with nothing
+        else in flight."""
+        self.send(request)
+        return self.recv()
 
+    def close(self) -> None:
+        """No more requests (responses to those sent still arrive)."""
+        if not self._closed:
+            self._closed = True
+            self._requests.put(None)
 
-class ResourceExhaustedError(FlashSamplerError):
-    """The server's queue is full: back off or add replicas."""
+    def cancel(self) -> None:
+        self.close()
+        self._call.cancel()
 
+    def __iter__(self) -> Iterator[_Response]:
+        while True:
+            try:
+                yield self.recv()
+            except EOFError:
+                return
 
-class DeadlineExceededError(FlashSamplerError, TimeoutError):
-    """The deadline passed before an answer arrived."""
+    def __enter__(self) -> "SampleStream":
+        return self
 
-
-class UnimplementedError(FlashSamplerError, NotImplementedError):
-    """A sampling control this server's backend does not implement."""
-
-
-_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-    grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
-}
-
-
-def _to_error(rpc_error, attempts):
-    code = rpc_error.code()
-    message = rpc_error.details() or ""
-    if attempts > 1:
-        message += f" (gave up after {attempts} attempts)"
-    return _ERRORS.get(code, FlashSamplerError)(code, message)
-
-
-# grpc.health.v1 in wire format, so that no grpcio-health-checking package is
-# needed: HealthCheckRequest {string service = 1}, HealthCheckResponse
-# {ServingStatus status = 1}.
-_HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING",
-                 3: "SERVICE_UNKNOWN"}
-
-
-def _varint(value):
-    out = bytearray()
-    while True:
-        if value < 0x80:
-            out.append(value)
-            return bytes(out)
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-
-
-def _encode_health_request(service):
-    data = service.encode("utf-8")
-    return b"" if not data else b"\x0a" + _varint(len(data)) + data
-
-
-def _read_varint(data, pos):
-    value, shift = 0, 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("malformed HealthCheckResponse")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _decode_health_response(data):
-    status, pos = 0, 0
-    while pos < len(data):
-        tag, pos = _read_varint(data, pos)
-        wire_type = tag & 7
-        if wire_type == 0:
-            value, pos = _read_varint(data, pos)
-            if tag >> 3 == 1:
-                status = value
-        elif wire_type == 2:
-            length, pos = _read_varint(data, pos)
-            pos += length
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
         else:
-            raise ValueError("malformed HealthCheckResponse")
-    return _HEALTH_NAMES.get(status, "UNKNOWN")
+            self.cancel()
 
 
-def _read(path_or_bytes):
-    if path_or_bytes is None or isinstance(path_or_bytes, bytes):
-        return path_or_bytes
-    with open(path_or_bytes, "rb") as f:
-        return f.read()
-
-
-def _hidden_tensor(hidden):
-    """numpy [B, D] (or [D]) -> Tensor; dtype decides the wire dtype."""
-    hidden = np.asarray(hidden)
-    if hidden.ndim == 1:
-        hidden = hidden[np.newaxis, :]
-    if hidden.ndim != 2 or hidden.shape[0] < 1 or hidden.shape[1] < 1:
-        raise ValueError(
-            f"hidden: expected shape [B, D] with B, D >= 1, got {hidden.shape}")
-    if hidden.dtype.name == "bfloat16":  # ml_dtypes / jax / torch-numpy bf16
-        hidden = hidden.view(np.uint16)
-    wire = {
-        "float32": sampler_pb2.DTYPE_FP32,
-        "float16": sampler_pb2.DTYPE_FP16,
-        "uint16": sampler_pb2.DTYPE_BF16,  # bfloat16 bit patterns
-    }.get(hidden.dtype.name)
-    if wire is None:
-        raise TypeError(
-            f"hidden: dtype {hidden.dtype} is not sent as is; pass float32, "
-            "float16, or bfloat16 bit patterns as uint16 (convert with "
-            ".astype(np.float32) first)")
-    data = np.ascontiguousarray(hidden, dtype=hidden.dtype.newbyteorder("<"))
-    return sampler_pb2.Tensor(dtype=wire, shape=list(hidden.shape),
-                              data=data.tobytes())
-
-
-class FlashSamplerClient:
+class FlashSamplerClient(ClientConfig):
     """A client of one flashsamplerd target (or many, via dns:///).
 
     target: "host:port", "dns:///name:port" (round robin over every address:
@@ -179,65 +112,60 @@ class FlashSamplerClient:
         paths; any of them turns TLS on (the key and chain: mutual TLS).
     tls: TLS with the system's root certificates.
     server_name_override: name expected in the server certificate.
+    Thread-safe: one client (one channel) serves every thread.
     """
 
-    def __init__(self, target, timeout=10.0, retries=3, backoff=0.05,
-                 max_backoff=2.0, jitter=0.2, root_certificates=None,
-                 private_key=None, certificate_chain=None, tls=False,
-                 server_name_override=None, lb_policy="round_robin",
-                 max_message_bytes=256 << 20, wait_for_ready=False):
-        if timeout <= 0:
-            raise ValueError("timeout: must be > 0")
-        if retries < 0:
-            raise ValueError("retries: must be >= 0")
-        if not 0 <= jitter < 1:
-            raise ValueError("jitter: must be in [0, 1)")
-        self.target = target
-        self.timeout = float(timeout)
-        self.retries = int(retries)
-        self.backoff = float(backoff)
-        self.max_backoff = float(max_backoff)
-        self.jitter = float(jitter)
-        self.wait_for_ready = wait_for_ready
-        self.attempts_retried = 0  # retried attempts over the client's life
-        self._rng = random.Random()
-        options = [
-            ("grpc.lb_policy_name", lb_policy),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-        ]
-        if server_name_override:
-            options.append(("grpc.ssl_target_name_override",
-                            server_name_override))
-        if tls or root_certificates or certificate_chain or private_key:
-            if (private_key is None) != (certificate_chain is None):
-                raise ValueError("private_key and certificate_chain go "
-                                 "together (mutual TLS needs both)")
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read(root_certificates),
-                private_key=_read(private_key),
-                certificate_chain=_read(certificate_chain))
-            self._channel = grpc.secure_channel(target, credentials, options)
+    def __init__(self, target: str, timeout: float = 10.0, retries: int = 3,
+                 backoff: float = 0.05, max_backoff: float = 2.0,
+                 jitter: float = 0.2, root_certificates: PemSource = None,
+                 private_key: PemSource = None,
+                 certificate_chain: PemSource = None, tls: bool = False,
+                 server_name_override: Optional[str] = None,
+                 lb_policy: str = "round_robin",
+                 max_message_bytes: int = 256 << 20,
+                 wait_for_ready: bool = False) -> None:
+        super().__init__(target, timeout=timeout, retries=retries,
+                         backoff=backoff, max_backoff=max_backoff,
+                         jitter=jitter, root_certificates=root_certificates,
+                         private_key=private_key,
+                         certificate_chain=certificate_chain, tls=tls,
+                         server_name_override=server_name_override,
+                         lb_policy=lb_policy,
+                         max_message_bytes=max_message_bytes,
+                         wait_for_ready=wait_for_ready)
+        if self._credentials is not None:
+            self._channel = grpc.secure_channel(target, self._credentials,
+                                                self._options)
         else:
-            self._channel = grpc.insecure_channel(target, options)
-        self._stub = sampler_pb2_grpc.SamplerStub(self._channel)
-        self._health_check = self._channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=_encode_health_request,
+            self._channel = grpc.insecure_channel(target, self._options)
+        channel = self._channel
+        self._sample = channel.unary_unary(
+            SAMPLE, request_serializer=_Request.SerializeToString,
+            response_deserializer=_Response.FromString)
+        self._sample_stream = channel.stream_stream(
+            SAMPLE_STREAM, request_serializer=_Request.SerializeToString,
+            response_deserializer=_Response.FromString)
+        self._model_info = channel.unary_unary(
+            GET_MODEL_INFO,
+            request_serializer=sampler_pb2.GetModelInfoRequest
+            .SerializeToString,
+            response_deserializer=sampler_pb2.ModelInfo.FromString)
+        self._health_check = channel.unary_unary(
+            HEALTH_CHECK, request_serializer=_encode_health_request,
             response_deserializer=_decode_health_response)
 
-    def close(self):
+    def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "FlashSamplerClient":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method, request, timeout=None):
-        deadline = time.monotonic() + (self.timeout if timeout is None
-                                       else float(timeout))
+    def _call(self, method: Callable[..., Any], request: Any,
+              timeout: Optional[float] = None) -> Any:
+        deadline = time.monotonic() + self._deadline_budget(timeout)
         backoff = self.backoff
         attempts = 0
         while True:
@@ -253,58 +181,42 @@ class FlashSamplerClient:
             except grpc.RpcError as error:
                 if (error.code() != grpc.StatusCode.UNAVAILABLE or
                         attempts > self.retries):
-                    raise _to_error(error, attempts) from None
-                sleep = backoff * self._rng.uniform(1 - self.jitter,
-                                                    1 + self.jitter)
+                    raise to_error(error, attempts) from None
+                sleep = self._jittered(backoff)
                 if time.monotonic() + sleep >= deadline:
-                    raise _to_error(error, attempts) from None
+                    raise to_error(error, attempts) from None
                 self.attempts_retried += 1
                 time.sleep(sleep)
                 backoff = min(backoff * 2, self.max_backoff)
 
-    def build_request(self, hidden, seeds=None, steps=None, temperature=1.0,
-                      n=1, top_k=0, top_p=1.0, min_p=0.0, params=None,
-                      request_id=""):
-        """The SampleRequest that sample() sends (for streams and tests)."""
-        tensor = _hidden_tensor(hidden)
-        rows = tensor.shape[0]
-        request = sampler_pb2.SampleRequest(request_id=request_id,
-                                            hidden_states=tensor)
-        if params is not None:
-            request.params.CopyFrom(params)
-        else:
-            request.params.temperature = temperature
-            request.params.top_k = top_k
-            if top_p != 1.0:
-                request.params.top_p = top_p
-            request.params.min_p = min_p
-            if n != 1:
-                request.params.n = n
-        for name, values in (("seeds", seeds), ("steps", steps)):
-            if values is None:
-                continue
-            values = np.atleast_1d(np.asarray(values, dtype=np.uint64))
-            if values.size == 1 and rows > 1 and name == "steps":
-                values = np.repeat(values, rows)
-            if values.size != rows:
-                raise ValueError(f"{name}: expected {rows} values (one per "
-                                 f"row), got {values.size}")
-            getattr(request, name).extend(int(v) for v in values)
-        return request
-
-    def sample_response(self, hidden, timeout=None, **kwargs):
+    def sample_response(self, hidden: HiddenStates,
+                        timeout: Optional[float] = None,
+                        seeds: RowValues = None, steps: RowValues = None,
+                        temperature: float = 1.0, n: int = 1, top_k: int = 0,
+                        top_p: float = 1.0, min_p: float = 0.0,
+                        params: Optional[sampler_pb2.SamplingParams] = None,
+                        request_id: str = "") -> _Response:
         """Like sample(), but returns the whole SampleResponse message
         (logprobs, timing)."""
-        return self._call(self._stub.Sample,
-                          self.build_request(hidden, **kwargs), timeout)
+        request = self.build_request(
+            hidden, seeds=seeds, steps=steps, temperature=temperature, n=n,
+            top_k=top_k, top_p=top_p, min_p=min_p, params=params,
+            request_id=request_id)
+        response: _Response = self._call(self._sample, request, timeout)
+        return response
 
-    def sample(self, hidden, seeds=None, steps=None, temperature=1.0, n=1,
-               top_k=0, top_p=1.0, min_p=0.0, params=None, request_id="",
-               timeout=None):
+    def sample(self, hidden: HiddenStates, seeds: RowValues = None,
+               steps: RowValues = None, temperature: float = 1.0, n: int = 1,
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+               params: Optional[sampler_pb2.SamplingParams] = None,
+               request_id: str = "",
+               timeout: Optional[float] = None) -> Tuple[Tokens, Seeds]:
         """Samples n tokens per row of `hidden`.
 
         hidden: [B, D] (or [D]) float32, float16, or bfloat16 bit patterns
-            as uint16 (an ml_dtypes bfloat16 array works too).
+            as uint16 (an ml_dtypes bfloat16 array works too); or a
+            torch.Tensor of bfloat16, float16 or float32, on the CPU or a GPU
+            (copied to the host once).
         seeds: None (the server draws one per row) or B unsigned ints.
         steps: None (step 0), one int for every row, or B ints.
         params: a sampler_pb2.SamplingParams that replaces temperature, n,
@@ -313,26 +225,53 @@ class FlashSamplerClient:
         server used, so that any sample can be replayed.
         Raises FlashSamplerError (subclassed by code) when the call fails.
         """
-        response = self.sample_response(
+        return tokens_and_seeds(self.sample_response(
             hidden, timeout=timeout, seeds=seeds, steps=steps,
             temperature=temperature, n=n, top_k=top_k, top_p=top_p,
-            min_p=min_p, params=params, request_id=request_id)
-        per_row = max(response.n, 1)
-        tokens = np.asarray(response.token_ids, dtype=np.int32)
-        return (tokens.reshape(-1, per_row),
-                np.asarray(response.seeds, dtype=np.uint64))
+            min_p=min_p, params=params, request_id=request_id))
 
-    def model_info(self, timeout=None):
+    def sample_stream(self, requests: Iterable[_Request],
+                      timeout: Optional[float] = None) -> Iterator[_Response]:
+        """Sends `requests` (build them with build_request()) on one
+        SampleStream and yields one response per request, in order.
+
+        A refused request yields a response whose `error` is set
+        (check_response() turns it into an exception) and the stream goes
+        on. timeout: seconds for the whole stream; None = no deadline.
+        Raises FlashSamplerError when the stream itself fails.
+        """
+        call = self._sample_stream(iter(requests), timeout=timeout,
+                                   wait_for_ready=self.wait_for_ready)
+        try:
+            for response in call:
+                yield response
+        except grpc.RpcError as error:
+            raise to_error(error) from None
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    def open_stream(self, timeout: Optional[float] = None) -> SampleStream:
+        """An open SampleStream for a caller that sends requests as they
+        come (an engine's decode loop). timeout: seconds for the whole
+        stream; None = no deadline."""
+        return SampleStream(self._sample_stream, timeout, self.wait_for_ready)
+
+    def model_info(self, timeout: Optional[float] = None
+                   ) -> sampler_pb2.ModelInfo:
         """The server's ModelInfo message (vocab_size, hidden_size, ...)."""
-        return self._call(self._stub.GetModelInfo,
-                          sampler_pb2.GetModelInfoRequest(), timeout)
+        info: sampler_pb2.ModelInfo = self._call(
+            self._model_info, sampler_pb2.GetModelInfoRequest(), timeout)
+        return info
 
-    def health(self, service="", timeout=None):
+    def health(self, service: str = "",
+               timeout: Optional[float] = None) -> str:
         """grpc.health.v1 status: "SERVING", "NOT_SERVING", "UNKNOWN" or
         "SERVICE_UNKNOWN" (a service name the server does not know)."""
         try:
-            return self._call(self._health_check, service, timeout)
+            status: str = self._call(self._health_check, service, timeout)
+            return status
         except FlashSamplerError as error:
             if error.code == grpc.StatusCode.NOT_FOUND:
                 return "SERVICE_UNKNOWN"
             raise
+

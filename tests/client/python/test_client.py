@@ -51,6 +51,18 @@ class FakeSampler(sampler_pb2_grpc.SamplerServicer):
                                   else 5000 + row)
         return response
 
+    def SampleStream(self, request_iterator, context):
+        """One answer per request in order; a request whose request_id is
+        "bad" gets an INVALID_ARGUMENT error response."""
+        for request in request_iterator:
+            if request.request_id == "bad":
+                yield sampler_pb2.SampleResponse(
+                    request_id="bad", error=sampler_pb2.Error(
+                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                        message="scripted refusal"))
+                continue
+            yield self.Sample(request, context)
+
     def GetModelInfo(self, request, context):
         return sampler_pb2.ModelInfo(vocab_size=1000, hidden_size=4,
                                      backend="fake")
@@ -76,7 +88,8 @@ def _health_handler(statuses):
             check, request_deserializer=None, response_serializer=None)})
 
 
-class ClientTest(unittest.TestCase):
+class FakeServerCase(unittest.TestCase):
+    """A FakeSampler with health on 127.0.0.1 and a blocking client."""
 
     def setUp(self):
         self.fake = FakeSampler()
@@ -94,6 +107,9 @@ class ClientTest(unittest.TestCase):
     def tearDown(self):
         self.client.close()
         self.server.stop(grace=None)
+
+
+class ClientTest(FakeServerCase):
 
     def test_float32_request_and_tokens(self):
         hidden = np.arange(8, dtype=np.float32).reshape(2, 4)

@@ -2,7 +2,7 @@
 over loopback: the Python client and flashsampler-cli (the C++ client) get
 identical tokens for the same hidden states and seeds; model info, health
 and error mapping; the metric names the alert rules and dashboard use exist;
-fs_load and plot_latency.py work against it; SIGTERM stops it with exit 0.
+fs_load (unary and --stream) and plot_latency.py work against it; SIGTERM stops it with exit 0.
 
 Environment (set by tests/client/CMakeLists.txt): FLASHSAMPLERD,
 FLASHSAMPLER_CLI, FS_LOAD (paths of the built binaries), PYTHONPATH with
@@ -12,29 +12,19 @@ FLASHSAMPLER_CLI, FS_LOAD (paths of the built binaries), PYTHONPATH with
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import tempfile
-import threading
-import time
 import unittest
 import urllib.request
 
 import numpy as np
 
 import flashsampler_client
+from daemon import Daemon, free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..",
                                     ".."))
 VOCAB, HIDDEN = 1000, 64
-TERM_TIMEOUT_S = 30
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_cli_sample(stdout):
@@ -56,53 +46,21 @@ class DaemonTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory(prefix="fs_e2e_")
         cls.metrics_port = free_port()
-        env = dict(os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1",
-                   TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-        cls.daemon = subprocess.Popen(
-            [os.environ["FLASHSAMPLERD"], "--listen_address=127.0.0.1:0",
-             f"--metrics_port={cls.metrics_port}",
-             "--metrics_address=127.0.0.1",
-             f"--weights=synthetic:vocab={VOCAB},hidden={HIDDEN},seed=3",
-             "--backend=cpu", "--cpu_threads=2", "--drain_timeout=5s"],
-            stderr=subprocess.PIPE, text=True, env=env)
-        # The daemon logs its bound port; keep draining stderr afterwards so
-        # that it never blocks on a full pipe.
-        cls.log = []
-        port_found = threading.Event()
-
-        def read_log():
-            for line in cls.daemon.stderr:
-                cls.log.append(line)
-                if "serving on port" in line:
-                    port_found.set()
-            port_found.set()
-
-        cls.reader = threading.Thread(target=read_log, daemon=True)
-        cls.reader.start()
-        if not port_found.wait(120) or cls.daemon.poll() is not None:
-            cls.daemon.kill()
-            raise RuntimeError("flashsamplerd did not start:\n" +
-                               "".join(cls.log))
-        port = re.search(r"serving on port (\d+)", "".join(cls.log)).group(1)
-        cls.target = f"127.0.0.1:{port}"
+        cls.daemon = Daemon(VOCAB, HIDDEN, [
+            f"--metrics_port={cls.metrics_port}",
+            "--metrics_address=127.0.0.1"])
+        cls.target = cls.daemon.target
         cls.client = flashsampler_client.FlashSamplerClient(
             cls.target, timeout=20.0, retries=3)
 
     @classmethod
     def tearDownClass(cls):
         cls.client.close()
-        cls.daemon.send_signal(signal.SIGTERM)
-        try:
-            code = cls.daemon.wait(TERM_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            cls.daemon.kill()
-            cls.daemon.wait()
-            code = "still running after SIGTERM"
-        cls.reader.join(5)
+        code = cls.daemon.stop()
         cls.tmp.cleanup()
         if code != 0:
             raise AssertionError(f"flashsamplerd exit status {code} after "
-                                 "SIGTERM; log:\n" + "".join(cls.log))
+                                 "SIGTERM; log:\n" + "".join(cls.daemon.log))
 
     def cli(self, *args, check=True):
         result = subprocess.run(
@@ -243,6 +201,12 @@ class DaemonTest(unittest.TestCase):
                                 capture_output=True, text=True, timeout=60)
         self.assertEqual(closed.returncode, 0, closed.stdout + closed.stderr)
         self.assertIn("p99", closed.stdout)
+        streamed = subprocess.run(base + ["--mode=closed", "--concurrency=4",
+                                          "--stream", "--label=s4"],
+                                  capture_output=True, text=True, timeout=60)
+        self.assertEqual(streamed.returncode, 0,
+                         streamed.stdout + streamed.stderr)
+        self.assertIn("one SampleStream each", streamed.stdout)
         opened = subprocess.run(base + ["--mode=open", "--rate=50",
                                         f"--csv={open_calls}"],
                                 capture_output=True, text=True, timeout=60)
@@ -253,7 +217,7 @@ class DaemonTest(unittest.TestCase):
         self.assertGreater(len(lines), 5)
         self.assertTrue(all(line.endswith(",OK,2") for line in lines[1:]))
         with open(summary) as f:
-            self.assertEqual(len(f.read().splitlines()), 3)  # header + 2 runs
+            self.assertEqual(len(f.read().splitlines()), 4)  # header + 3 runs
 
         plot = os.path.join(REPO, "load", "plot_latency.py")
         env = dict(os.environ, MPLBACKEND="Agg",
