@@ -1,12 +1,18 @@
 // flashsamplerd: parses flags into ServerOptions, serves until SIGTERM or
-// SIGINT, then drains (server.h) and returns 0. The signals are blocked in
-// every thread and taken synchronously with sigwait() in main, so no code
-// runs in a signal handler.
-#include <pthread.h>
+// SIGINT, then drains (server.h) and returns 0. A signal during start-up
+// exits 0 without serving; a second signal during the drain is logged and
+// the drain goes on.
+#include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -27,7 +33,8 @@ ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
 ABSL_FLAG(int, metrics_port, kDefaults.metrics_port,
           "Prometheus /metrics port; 0 = no metrics endpoint");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
-          "Address the metrics endpoint binds");
+          "Address the metrics endpoint binds (0.0.0.0: every interface, as "
+          "a pod's Prometheus scrape needs; 127.0.0.1: this host only)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain (TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -117,25 +124,112 @@ void Log(const std::string& line) {
   std::fflush(stderr);
 }
 
+// Stop signals reach main through a self-pipe: the handler writes the signal
+// number, main reads it. Blocking the signals and calling sigwait() is not
+// enough: a thread created before main (OpenBLAS starts its pool from a
+// shared-library constructor, which runs before anything in this file) keeps
+// SIGTERM unblocked, and while main is not inside sigwait() (loading, or
+// draining) the kernel delivers the signal to that thread, whose default
+// action kills the process (exit 143). A handler runs in whichever thread
+// receives the signal, so every SIGTERM/SIGINT ends up in the pipe.
+// Bytes on the pipe: a signal number, or kWakeByte from main's own threads.
+int g_signal_pipe[2] = {-1, -1};
+constexpr char kWakeByte = 0;
+
+void OnStopSignal(int signal_number) {
+  const int saved_errno = errno;
+  const char byte = static_cast<char>(signal_number);
+  // A full pipe (64 KiB of unread signals) drops the byte: main has enough.
+  [[maybe_unused]] const ssize_t ignored = write(g_signal_pipe[1], &byte, 1);
+  errno = saved_errno;
+}
+
+bool InstallStopHandlers() {
+  if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) return false;
+  struct sigaction action {};
+  action.sa_handler = OnStopSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  return sigaction(SIGTERM, &action, nullptr) == 0 &&
+         sigaction(SIGINT, &action, nullptr) == 0;
+}
+
+void Wake() {
+  [[maybe_unused]] const ssize_t ignored =
+      write(g_signal_pipe[1], &kWakeByte, 1);
+}
+
+// The next byte on the pipe, or -1 after `timeout_ms` (-1: no timeout).
+int NextByte(int timeout_ms) {
+  for (;;) {
+    char byte = 0;
+    if (read(g_signal_pipe[0], &byte, 1) == 1) return byte;
+    pollfd p{g_signal_pipe[0], POLLIN, 0};
+    const int ready = poll(&p, 1, timeout_ms);
+    if (ready == 0) return -1;
+  }
+}
+
+const char* SignalName(int signal_number) {
+  return signal_number == SIGINT ? "SIGINT" : "SIGTERM";
+}
+
+// Descriptors are the first resource a busy gRPC server runs out of, and
+// gRPC's listener never recovers from running out (Server::ListenerHealth),
+// so the soft limit goes up to the hard one (often 1024 -> 1048576 in a
+// container).
+void RaiseDescriptorLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  if (limit.rlim_cur < limit.rlim_max) {
+    const rlim_t before = limit.rlim_cur;
+    limit.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &limit) == 0) {
+      Log(absl::StrCat("file descriptor limit raised from ", before, " to ",
+                       limit.rlim_max));
+      return;
+    }
+  }
+  Log(absl::StrCat("file descriptor limit ", limit.rlim_cur));
+}
+
+// Loading the weights can take minutes; it runs on its own thread so that a
+// stop signal meanwhile ends the process at once (the loader is left
+// behind: it only reads files and allocates).
+struct LoadResult {
+  absl::StatusOr<std::unique_ptr<flashsampler::Server>> server =
+      absl::UnknownError("not loaded");
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Block before any thread exists so every thread inherits the mask and
-  // the signals stay pending for sigwait() below.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-
+  if (!InstallStopHandlers()) {
+    Log("startup failed: cannot install the SIGTERM/SIGINT handlers");
+    return 1;
+  }
   absl::SetProgramUsageMessage(
       "flashsamplerd: LM-head sampling daemon (hidden states in, token ids "
       "out) over gRPC. See docs/api.md.");
   absl::ParseCommandLine(argc, argv);
   const flashsampler::ServerOptions options = OptionsFromFlags();
+  RaiseDescriptorLimit();
 
   Log(absl::StrCat("loading weights from ", options.weights.source));
-  auto server = flashsampler::Server::Create(options);
+  auto load = std::make_shared<LoadResult>();
+  std::thread loader([load, options] {
+    load->server = flashsampler::Server::Create(options);
+    Wake();
+  });
+  const int first = NextByte(-1);
+  if (first != kWakeByte) {
+    Log(absl::StrCat("received ", SignalName(first),
+                     " while loading the weights; exiting without serving"));
+    loader.detach();
+    return 0;
+  }
+  loader.join();
+  absl::StatusOr<std::unique_ptr<flashsampler::Server>>& server = load->server;
   if (!server.ok()) {
     Log(absl::StrCat("startup failed: ", server.status().ToString()));
     return 1;
@@ -158,13 +252,35 @@ int main(int argc, char** argv) {
                      (*server)->metrics_port(), "/metrics"));
   }
 
-  int signal_number = 0;
-  while (sigwait(&stop_signals, &signal_number) != 0) {
+  // Wait for a stop signal, checking once a second that gRPC still accepts.
+  int signal_number = -1;
+  absl::Status listener = absl::OkStatus();
+  while (signal_number <= 0) {
+    signal_number = NextByte(1000);
+    listener = flashsampler::Server::ListenerHealth();
+    if (!listener.ok()) break;
   }
-  Log(absl::StrCat("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
-                   "; draining (up to ",
-                   absl::FormatDuration(options.drain_timeout), ")"));
+  if (!listener.ok()) {
+    Log(absl::StrCat("NOT_SERVING: ", listener.message(), "; draining (up to ",
+                     absl::FormatDuration(options.drain_timeout),
+                     ") and exiting with status 1 so the replica restarts"));
+  } else {
+    Log(absl::StrCat("received ", SignalName(signal_number),
+                     "; draining (up to ",
+                     absl::FormatDuration(options.drain_timeout), ")"));
+  }
+  // Later signals are logged; the drain goes on to its end (Kubernetes
+  // follows a SIGTERM with SIGKILL after its grace period, which is the
+  // deliberate fast exit).
+  std::thread repeat_logger([] {
+    for (int byte = NextByte(-1); byte != kWakeByte; byte = NextByte(-1)) {
+      Log(absl::StrCat("received ", SignalName(byte),
+                       " again; the drain goes on"));
+    }
+  });
   (*server)->Stop();
+  Wake();
+  repeat_logger.join();
   Log("stopped");
-  return 0;
+  return listener.ok() ? 0 : 1;
 }

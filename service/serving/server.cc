@@ -2,19 +2,29 @@
 // drain sequence documented in server.h.
 #include "service/serving/server.h"
 
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <sstream>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/dtype_convert.h"
 #include "common/proto_dtype.h"
 #include "common/status_macros.h"
 #include "common/status_util.h"
+#include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -35,16 +45,136 @@ namespace {
 
 constexpr char kServiceName[] = "flashsampler.v1.Sampler";
 
-absl::StatusOr<std::string> ReadFile(const std::string& flag,
-                                     const std::string& path) {
+// A TLS file's contents, or an error naming the flag, the path and what is
+// wrong (missing, a directory, unreadable, empty).
+absl::StatusOr<std::string> ReadTlsFile(const std::string& flag,
+                                        const std::string& path) {
+  std::error_code error;
+  const std::filesystem::file_status status =
+      std::filesystem::status(path, error);
+  if (!std::filesystem::exists(status)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": \"", path, "\" does not exist"));
+  }
+  if (std::filesystem::is_directory(status)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": \"", path, "\" is a directory, not a PEM file"));
+  }
   std::ifstream in(path, std::ios::binary);
+  std::ostringstream contents;
+  if (in) contents << in.rdbuf();
   if (!in) {
     return absl::InvalidArgumentError(
         absl::StrCat(flag, ": cannot read \"", path, "\""));
   }
-  std::ostringstream contents;
-  contents << in.rdbuf();
+  if (contents.str().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": \"", path, "\" is empty"));
+  }
   return contents.str();
+}
+
+// OpenSSL's queued errors as one line (and the queue emptied).
+std::string OpenSslErrors() {
+  std::string text;
+  for (unsigned long e = ERR_get_error(); e != 0; e = ERR_get_error()) {
+    char buffer[256];
+    ERR_error_string_n(e, buffer, sizeof(buffer));
+    absl::StrAppend(&text, text.empty() ? "" : "; ", buffer);
+  }
+  return text.empty() ? "no details" : text;
+}
+
+struct BioFree {
+  void operator()(BIO* bio) const { BIO_free(bio); }
+};
+struct X509Free {
+  void operator()(X509* x) const { X509_free(x); }
+};
+struct PkeyFree {
+  void operator()(EVP_PKEY* key) const { EVP_PKEY_free(key); }
+};
+using BioPtr = std::unique_ptr<BIO, BioFree>;
+using X509Ptr = std::unique_ptr<X509, X509Free>;
+
+BioPtr MemoryBio(const std::string& pem) {
+  return BioPtr(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
+}
+
+// Every certificate in a PEM bundle; an error when there is none or one of
+// them does not parse.
+absl::StatusOr<std::vector<X509Ptr>> ParseCertificates(const std::string& flag,
+                                                       const std::string& path,
+                                                       const std::string& pem) {
+  ERR_clear_error();
+  BioPtr bio = MemoryBio(pem);
+  std::vector<X509Ptr> certs;
+  for (;;) {
+    X509Ptr cert(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
+    if (cert == nullptr) break;
+    certs.push_back(std::move(cert));
+  }
+  const unsigned long last = ERR_peek_last_error();
+  const bool clean_end = ERR_GET_LIB(last) == ERR_LIB_PEM &&
+                         ERR_GET_REASON(last) == PEM_R_NO_START_LINE;
+  if (certs.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": \"", path,
+                     "\" holds no PEM certificate (-----BEGIN CERTIFICATE-----"
+                     " block): ",
+                     OpenSslErrors()));
+  }
+  if (last != 0 && !clean_end) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": certificate ", certs.size() + 1, " in \"", path,
+                     "\" does not parse: ", OpenSslErrors()));
+  }
+  ERR_clear_error();
+  return certs;
+}
+
+// Refuses to prompt for a passphrase: an encrypted key fails to load.
+int NoPassphrase(char* /*buf*/, int /*size*/, int /*rwflag*/, void* /*u*/) {
+  return -1;
+}
+
+// Parses the certificate chain, the key and the client CA bundle the way the
+// TLS handshake will, so that a bad file is reported by name at start-up
+// (gRPC only says that it could not listen).
+absl::Status CheckTlsFiles(const TlsOptions& tls, const std::string& cert_pem,
+                           const std::string& key_pem,
+                           const std::string& client_ca_pem) {
+  FS_ASSIGN_OR_RETURN(std::vector<X509Ptr> chain,
+                      ParseCertificates("tls_cert", tls.cert_path, cert_pem));
+  if (absl::StrContains(key_pem, "ENCRYPTED")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tls_key: \"", tls.key_path,
+        "\" is encrypted with a passphrase, which the daemon cannot ask for; "
+        "store it decrypted (openssl pkey -in KEY -out KEY.plain) with file "
+        "permissions guarding it"));
+  }
+  ERR_clear_error();
+  BioPtr bio = MemoryBio(key_pem);
+  std::unique_ptr<EVP_PKEY, PkeyFree> key(
+      PEM_read_bio_PrivateKey(bio.get(), nullptr, NoPassphrase, nullptr));
+  if (key == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tls_key: \"", tls.key_path,
+                     "\" holds no PEM private key: ", OpenSslErrors()));
+  }
+  if (X509_check_private_key(chain.front().get(), key.get()) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tls_key: \"", tls.key_path,
+        "\" does not match the certificate in tls_cert \"", tls.cert_path,
+        "\" (the first certificate must be the one the key signs for)"));
+  }
+  if (!tls.client_ca_path.empty()) {
+    FS_ASSIGN_OR_RETURN(
+        std::vector<X509Ptr> cas,
+        ParseCertificates("tls_client_ca", tls.client_ca_path, client_ca_pem));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
@@ -64,14 +194,29 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
       tls.client_ca_path.empty()
           ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
           : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  FS_ASSIGN_OR_RETURN(std::string cert, ReadFile("tls_cert", tls.cert_path));
-  FS_ASSIGN_OR_RETURN(std::string key, ReadFile("tls_key", tls.key_path));
-  ssl.pem_key_cert_pairs.push_back({std::move(key), std::move(cert)});
+  FS_ASSIGN_OR_RETURN(std::string cert, ReadTlsFile("tls_cert", tls.cert_path));
+  FS_ASSIGN_OR_RETURN(std::string key, ReadTlsFile("tls_key", tls.key_path));
   if (!tls.client_ca_path.empty()) {
     FS_ASSIGN_OR_RETURN(ssl.pem_root_certs,
-                        ReadFile("tls_client_ca", tls.client_ca_path));
+                        ReadTlsFile("tls_client_ca", tls.client_ca_path));
   }
+  FS_RETURN_IF_ERROR(CheckTlsFiles(tls, cert, key, ssl.pem_root_certs));
+  ssl.pem_key_cert_pairs.push_back({std::move(key), std::move(cert)});
   return grpc::SslServerCredentials(ssl);
+}
+
+std::atomic<bool> g_listener_failed{false};
+
+// gRPC's log, forwarded to stderr in gRPC's own format, with the one line
+// that says the listener closed for good (see Server::ListenerHealth).
+void WatchGrpcLog(gpr_log_func_args* args) {
+  if (args->severity == GPR_LOG_SEVERITY_ERROR &&
+      absl::StrContains(args->message, "Failed accept4")) {
+    g_listener_failed.store(true);
+  }
+  std::fprintf(stderr, "%s %s:%d] %s\n",
+               gpr_log_severity_string(args->severity), args->file, args->line,
+               args->message);
 }
 
 int ToMillis(absl::Duration d) {
@@ -237,6 +382,13 @@ Server::Server(const ServerOptions& options,
 
 Server::~Server() { Stop(); }
 
+absl::Status Server::ListenerHealth() {
+  if (!g_listener_failed.load()) return absl::OkStatus();
+  return absl::UnavailableError(
+      "gRPC stopped accepting connections (accept4 failed, most likely out of "
+      "file descriptors: raise the container's nofile limit)");
+}
+
 bool Server::serving() const {
   absl::MutexLock lock(&health_mu_);
   return serving_;
@@ -276,10 +428,12 @@ absl::Status Server::WarmUp() {
 
 absl::Status Server::StartMetrics() {
   if (options_.metrics_port == 0) return absl::OkStatus();
-  FS_ASSIGN_OR_RETURN(
-      metrics_http_,
-      MetricsHttpServer::Start(options_.metrics_address, options_.metrics_port,
-                               metrics_.registry()));
+  MetricsHttpOptions http;
+  http.address = options_.metrics_address;
+  http.port = options_.metrics_port;
+  FS_ASSIGN_OR_RETURN(metrics_http_, MetricsHttpServer::Start(http, [this] {
+                        return metrics_.TextExposition();
+                      }));
   metrics_port_ = metrics_http_->port();
   return absl::OkStatus();
 }
@@ -287,6 +441,7 @@ absl::Status Server::StartMetrics() {
 absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
   static std::once_flag once;
   std::call_once(once, [] {
+    gpr_set_log_function(WatchGrpcLog);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   });

@@ -39,6 +39,7 @@
 #include "service/backends/engine.h"
 #include "service/serving/batcher.h"
 #include "service/serving/metrics.h"
+#include "service/serving/metrics_http_server.h"
 #include "service/serving/sampler_service.h"
 #include "service/serving/server_options.h"
 #include "service/weights/weights.h"
@@ -79,6 +80,15 @@ class Server {
   bool serving() const;
   // Largest request message the server accepts, derived from the model.
   int max_receive_message_bytes() const { return max_receive_bytes_; }
+
+  // Non-OK once gRPC's listener in this process has stopped accepting
+  // connections for good. gRPC 1.51's POSIX listener closes itself when
+  // accept4() fails with anything but EAGAIN/EINTR, EMFILE included (all
+  // descriptors in use), and logs "Failed accept4: <error>"; that line is the
+  // only trace it leaves, so Start() watches gRPC's log for it. The replica
+  // can then never take a new connection again: flashsamplerd drains and
+  // exits non-zero so that Kubernetes restarts it.
+  static absl::Status ListenerHealth();
 
  private:
   Server(const ServerOptions& options, std::shared_ptr<const Weights> weights,

@@ -1,8 +1,13 @@
 // The flashsamplerd binary itself: starts on synthetic weights, takes work,
 // gets SIGTERM while that work is in flight, answers what it accepted,
-// refuses what comes later, and exits with status 0.
+// refuses what comes later, and exits with status 0; also a second SIGTERM
+// during the drain, SIGTERM while loading, and running out of descriptors.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <regex>
@@ -25,6 +30,190 @@ struct Outcome {
   v1::SampleResponse response;
   absl::Time finished;
 };
+
+// Waits for "serving on port N" in the daemon's log; N, or 0.
+int WaitForServingPort(const std::string& log_path) {
+  int port = 0;
+  const std::regex serving("serving on port ([0-9]+)");
+  testing::PollUntil(
+      [&] {
+        std::smatch match;
+        const std::string log = testing::ReadFileOrEmpty(log_path);
+        if (!std::regex_search(log, match, serving)) return false;
+        port = std::stoi(match[1]);
+        return true;
+      },
+      absl::Seconds(90));
+  return port;
+}
+
+// Exit status of `pid` within `timeout` (SIGKILLed and -1 if it runs on).
+int ExitStatus(pid_t pid, absl::Duration timeout) {
+  int exit_status = 0;
+  if (testing::WaitForExit(pid, timeout, &exit_status)) return exit_status;
+  kill(pid, SIGKILL);
+  testing::WaitForExit(pid, absl::Seconds(10), &exit_status);
+  return -1;
+}
+
+// Defect: a thread created before main (OpenBLAS's pool) left SIGTERM
+// unblocked; a second SIGTERM while main was draining (not in sigwait) went
+// to that thread and killed the process (exit 143, in-flight calls reset).
+TEST(DaemonTest, SecondSigtermDuringDrainKilledTheDaemon) {
+  const std::string dir = testing::MakeTempDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string log_path = dir + "/daemon.log";
+  const pid_t pid = testing::Spawn(
+      {FS_DAEMON_BIN, "--listen_address=127.0.0.1:0", "--metrics_port=0",
+       "--weights=synthetic:vocab=32000,hidden=512,seed=1", "--backend=cpu",
+       "--cpu_threads=2", "--warmup_rows=1", "--drain_timeout=60s"},
+      log_path);
+  ASSERT_GT(pid, 0);
+  const int port = WaitForServingPort(log_path);
+  ASSERT_GT(port, 0) << testing::ReadFileOrEmpty(log_path);
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = v1::Sampler::NewStub(channel);
+  std::vector<Outcome> outcomes(kRequests);
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kRequests; ++i) {
+    callers.emplace_back([&, i] {
+      grpc::ClientContext context;
+      context.set_deadline(
+          absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
+      outcomes[i].status = stub->Sample(
+          &context,
+          testing::MakeRequest(kRows, kHidden, 1 + 1000 * i, 0.001f * i),
+          &outcomes[i].response);
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  ASSERT_TRUE(testing::PollUntil(
+      [&] {
+        return absl::StrContains(testing::ReadFileOrEmpty(log_path),
+                                 "draining");
+      },
+      absl::Seconds(10)));
+  kill(pid, SIGTERM);
+  kill(pid, SIGINT);
+  for (std::thread& t : callers) t.join();
+  const int exit_status = ExitStatus(pid, absl::Seconds(90));
+  const std::string log = testing::ReadFileOrEmpty(log_path);
+  EXPECT_TRUE(WIFEXITED(exit_status)) << exit_status << "\n" << log;
+  EXPECT_EQ(WEXITSTATUS(exit_status), 0) << log;
+  EXPECT_TRUE(absl::StrContains(log, "received SIGTERM again")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "stopped")) << log;
+  int answered = 0;
+  for (const Outcome& o : outcomes) {
+    if (o.status.ok()) {
+      ++answered;
+    } else {
+      EXPECT_EQ(o.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+          << o.status.error_message();
+      EXPECT_TRUE(absl::StrContains(o.status.error_message(), "draining"))
+          << "a call was reset, not refused: " << o.status.error_message();
+    }
+  }
+  EXPECT_GE(answered, 1);
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
+// Defect: SIGTERM while the weights loaded killed the process (exit 143).
+TEST(DaemonTest, SigtermWhileLoadingKilledTheDaemon) {
+  const std::string dir = testing::MakeTempDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string log_path = dir + "/daemon.log";
+  // 256000 x 1024 bf16 synthetic weights take seconds to generate.
+  const pid_t pid = testing::Spawn(
+      {FS_DAEMON_BIN, "--listen_address=127.0.0.1:0", "--metrics_port=0",
+       "--weights=synthetic:vocab=256000,hidden=1024,seed=1", "--backend=cpu",
+       "--cpu_threads=1", "--warmup_rows=1"},
+      log_path);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(testing::PollUntil(
+      [&] {
+        return absl::StrContains(testing::ReadFileOrEmpty(log_path),
+                                 "loading weights");
+      },
+      absl::Seconds(30)));
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time sigterm = absl::Now();
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  const int exit_status = ExitStatus(pid, absl::Seconds(30));
+  const std::string log = testing::ReadFileOrEmpty(log_path);
+  EXPECT_TRUE(WIFEXITED(exit_status)) << exit_status << "\n" << log;
+  EXPECT_EQ(WEXITSTATUS(exit_status), 0) << log;
+  EXPECT_TRUE(absl::StrContains(log, "received SIGTERM while loading")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "serving on port")) << log;
+  EXPECT_LT(absl::Now() - sigterm, absl::Seconds(5));
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
+// Defect: with every descriptor in use once (nofile 128, 170 connections),
+// gRPC's listener closed for good and every later call failed after its
+// deadline while the daemon went on reporting SERVING. Now the daemon
+// notices, drains and exits non-zero so that it is restarted.
+TEST(DaemonTest, RunningOutOfDescriptorsStoppedGrpcForGood) {
+  const std::string dir = testing::MakeTempDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string log_path = dir + "/daemon.log";
+  const pid_t pid = testing::Spawn(
+      {"/bin/sh", "-c", "ulimit -n 128 && exec \"$0\" \"$@\"", FS_DAEMON_BIN,
+       "--listen_address=127.0.0.1:0", "--metrics_port=0",
+       "--weights=synthetic:vocab=1000,hidden=16,seed=1", "--backend=cpu",
+       "--cpu_threads=1", "--warmup_rows=1", "--drain_timeout=2s"},
+      log_path);
+  ASSERT_GT(pid, 0);
+  const int port = WaitForServingPort(log_path);
+  ASSERT_GT(port, 0) << testing::ReadFileOrEmpty(log_path);
+  std::vector<int> sockets;
+  for (int i = 0; i < 170; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    sockets.push_back(fd);
+  }
+  absl::SleepFor(absl::Milliseconds(500));
+  for (const int fd : sockets) close(fd);
+
+  // Either gRPC serves again, or the daemon has left with a non-zero status
+  // and said why. Running on without accepting is the failure.
+  auto stub = v1::Sampler::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  bool served = false;
+  int exit_status = 0;
+  bool exited = false;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!served && !exited && absl::Now() < deadline) {
+    exited = testing::WaitForExit(pid, absl::ZeroDuration(), &exit_status);
+    if (exited) break;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    v1::ModelInfo info;
+    served = stub->GetModelInfo(&context, {}, &info).ok();
+  }
+  const std::string log = testing::ReadFileOrEmpty(log_path);
+  if (!exited) {
+    kill(pid, SIGTERM);
+    exit_status = ExitStatus(pid, absl::Seconds(30));
+  }
+  EXPECT_TRUE(served || exited) << log;
+  if (exited) {
+    EXPECT_TRUE(WIFEXITED(exit_status)) << exit_status << "\n" << log;
+    EXPECT_NE(WEXITSTATUS(exit_status), 0) << log;
+    EXPECT_TRUE(absl::StrContains(log, "NOT_SERVING: gRPC stopped accepting"))
+        << log;
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
 
 TEST(DaemonTest, SigtermDrainsInFlightRequestsAndExitsZero) {
   const std::string dir = testing::MakeTempDir();

@@ -1,5 +1,5 @@
 // The real Server over loopback gRPC with a gated fake engine: every call
-// outcome of DESIGN.md's error list (validation, unimplemented, deadline,
+// outcome of docs/api.md's error codes (validation, unimplemented, deadline,
 // cancel, queue full, drain, fatal device error), SampleStream ordering and
 // errors, health, reflection, ModelInfo and the metric families.
 #include "service/serving/server.h"

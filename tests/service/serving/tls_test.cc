@@ -6,7 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
@@ -36,7 +38,12 @@ class TlsTest : public ::testing::Test {
         "printf 'subjectAltName=DNS:localhost\\n' > $who.ext; ",
         "openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key "
         "-CAcreateserial -out $who.pem -days 2 -extfile $who.ext 2>/dev/null; ",
-        "done");
+        "done; ",
+        // Bad material for the start-up checks.
+        "openssl pkey -in server.key -aes256 -passout pass:secret "
+        "-out encrypted.key 2>/dev/null; ",
+        "printf 'not a certificate\\n' > garbage.pem; ",
+        "head -c 300 server.pem > truncated.pem; ", "mkdir keydir");
     {
       std::ofstream out(d + "/make_certs.sh");
       out << script << "\n";
@@ -128,6 +135,53 @@ TEST_F(TlsTest, HalfConfiguredTlsIsRefused) {
   f = testing::StartFakeServer(options);
   ASSERT_FALSE(f.ok());
   EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Defect: bad TLS files were reported as "cannot listen on ... (in use, or
+// not a valid address)". Each is now named with what is wrong with it.
+TEST_F(TlsTest, BadTlsFilesWereReportedAsAnAddressProblem) {
+  ASSERT_TRUE(ok_) << "openssl could not make test certificates";
+  struct Case {
+    std::string cert, key, client_ca;
+    std::string expected;  // in the error message
+  };
+  const std::string d = *dir_ + "/";
+  const std::vector<Case> cases = {
+      {"garbage.pem", "server.key", "",
+       "tls_cert: \"" + d + "garbage.pem\" holds no PEM certificate"},
+      {"truncated.pem", "server.key", "",
+       "tls_cert: \"" + d + "truncated.pem\" holds no PEM certificate"},
+      {"server.key", "server.key", "",
+       "tls_cert: \"" + d + "server.key\" holds no PEM certificate"},
+      {"server.pem", "garbage.pem", "",
+       "tls_key: \"" + d + "garbage.pem\" holds no PEM private key"},
+      {"server.pem", "client.key", "",
+       "tls_key: \"" + d + "client.key\" does not match the certificate"},
+      {"server.pem", "encrypted.key", "",
+       "tls_key: \"" + d + "encrypted.key\" is encrypted"},
+      {"server.pem", "keydir", "",
+       "tls_key: \"" + d + "keydir\" is a directory"},
+      {"server.pem", "nothing.key", "",
+       "tls_key: \"" + d + "nothing.key\" does not exist"},
+      {"server.pem", "server.key", "garbage.pem",
+       "tls_client_ca: \"" + d + "garbage.pem\" holds no PEM certificate"},
+      {"server.pem", "server.key", "keydir",
+       "tls_client_ca: \"" + d + "keydir\" is a directory"},
+  };
+  for (const Case& c : cases) {
+    ServerOptions options = testing::TestServerOptions();
+    options.tls.cert_path = d + c.cert;
+    options.tls.key_path = d + c.key;
+    if (!c.client_ca.empty()) options.tls.client_ca_path = d + c.client_ca;
+    absl::StatusOr<testing::FakeServer> f = testing::StartFakeServer(options);
+    ASSERT_FALSE(f.ok()) << c.cert << " " << c.key << " " << c.client_ca;
+    EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument)
+        << f.status();
+    EXPECT_TRUE(absl::StrContains(f.status().message(), c.expected))
+        << "expected \"" << c.expected << "\" in: " << f.status();
+    EXPECT_FALSE(absl::StrContains(f.status().message(), "cannot listen"))
+        << f.status();
+  }
 }
 
 }  // namespace
