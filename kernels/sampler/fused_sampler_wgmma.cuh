@@ -466,13 +466,11 @@ __global__ void __launch_bounds__(384, 1)
     // cannot pass on a stale phase.
     if (j >= 1) ptx::NamedBarrier(kHandoffBarrier + consumer, 256);
     // Profiling (FusedTuning::timeline): thread 0 of the consumer.
+    const int timeline_pieces = args.tuning.timeline_pieces;
+    const int timeline_slot = (blockIdx.x * 2 + consumer) * timeline_pieces + j;
     uint64_t* timeline =
-        args.tuning.timeline != nullptr && j < args.tuning.timeline_pieces &&
-                thread == 0
-            ? args.tuning.timeline +
-                  ((blockIdx.x * 2 + consumer) * args.tuning.timeline_pieces +
-                   j) *
-                      3
+        args.tuning.timeline != nullptr && j < timeline_pieces && thread == 0
+            ? args.tuning.timeline + timeline_slot * 3
             : nullptr;
     if (timeline != nullptr) timeline[0] = ptx::GlobalTimerNs();
     const uint32_t seq0 = static_cast<uint32_t>(j) * num_steps;
