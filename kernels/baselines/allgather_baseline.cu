@@ -27,8 +27,8 @@ constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 const cudaStream_t kNoStream = reinterpret_cast<cudaStream_t>(~uintptr_t{0});
 
 __device__ __forceinline__ float LoadLogit(const void* base, int64_t index,
-                                           KernelDType dtype) {
-  if (dtype == KernelDType::kBf16) {
+                                           DType dtype) {
+  if (dtype == DType::kBf16) {
     return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
   }
   return __half2float(static_cast<const __half*>(base)[index]);
@@ -47,7 +47,7 @@ __device__ __forceinline__ void Keep(float score, int32_t id, float* best,
 // block that straddles a shard boundary is drawn once per side, and each
 // side keeps its own tokens.
 __global__ void __launch_bounds__(kSampleThreads)
-    GatheredSampleKernel(const void* gathered, KernelDType dtype, int num_ranks,
+    GatheredSampleKernel(const void* gathered, DType dtype, int num_ranks,
                          const int64_t* shard_table, int64_t row_stride,
                          int batch, int num_samples,
                          const float* inv_temperature, const uint64_t* seeds,
@@ -137,21 +137,22 @@ TpStatus Cublas(cublasStatus_t status, const std::string& what) {
   return s;
 }
 
-size_t ElementBytes(KernelDType dtype) {
-  return dtype == KernelDType::kBf16 ? sizeof(__nv_bfloat16) : sizeof(__half);
+size_t ElementBytes(DType dtype) {
+  return dtype == DType::kBf16 ? sizeof(__nv_bfloat16) : sizeof(__half);
 }
 
 }  // namespace
 
 cudaError_t LaunchGatheredLogitsSample(
-    const void* gathered, KernelDType dtype, int num_ranks,
+    const void* gathered, DType dtype, int num_ranks,
     const int64_t* shard_table, int64_t row_stride, int batch, int num_samples,
     const float* inv_temperature, const uint64_t* seeds, const uint64_t* steps,
     int32_t* token_ids, cudaStream_t stream) {
   if (gathered == nullptr || shard_table == nullptr || num_ranks < 1 ||
       num_ranks > kMaxRanks || batch < 1 || num_samples < 1 ||
       num_samples > 65535 || inv_temperature == nullptr || seeds == nullptr ||
-      steps == nullptr || token_ids == nullptr || row_stride < 1) {
+      steps == nullptr || token_ids == nullptr || row_stride < 1 ||
+      (dtype != DType::kBf16 && dtype != DType::kFp16)) {
     return cudaErrorInvalidValue;
   }
   GatheredSampleKernel<<<dim3(batch, num_samples), kSampleThreads, 0, stream>>>(
@@ -178,6 +179,9 @@ TpStatus AllGatherBaseline::Create(TpComms* comms, const TpLayout& layout,
   if (options.hidden_size < 1 || options.max_batch < 1 ||
       options.max_samples < 1) {
     return TpStatus::Invalid("baseline: hidden_size, max_batch, max_samples");
+  }
+  if (options.dtype != DType::kBf16 && options.dtype != DType::kFp16) {
+    return TpStatus::Invalid("baseline: dtype must be bf16 or fp16");
   }
   std::unique_ptr<AllGatherBaseline> bl(new AllGatherBaseline());
   bl->comms_ = comms;
@@ -262,7 +266,7 @@ TpStatus AllGatherBaseline::Step(const std::vector<FusedSampleParams>& params,
         "baseline step: batch or num_samples out of range");
   }
   const cudaDataType_t type =
-      options_.dtype == KernelDType::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
+      options_.dtype == DType::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
   const float alpha = 1.0f;
   const float beta = 0.0f;
   for (int r = 0; r < n; ++r) {
@@ -302,7 +306,7 @@ TpStatus AllGatherBaseline::Step(const std::vector<FusedSampleParams>& params,
     if (!s.ok()) return s;
   }
   const ncclDataType_t nccl_type =
-      options_.dtype == KernelDType::kBf16 ? ncclBfloat16 : ncclFloat16;
+      options_.dtype == DType::kBf16 ? ncclBfloat16 : ncclFloat16;
   const size_t count = static_cast<size_t>(batch) * max_rows_;
   // One thread drives every rank: the group makes the per-rank calls one
   // collective instead of n calls that each wait for the others.

@@ -20,10 +20,10 @@
 namespace flashsampler {
 
 struct AllGatherBaselineOptions {
-  KernelDType dtype = KernelDType::kBf16;  // of W, hidden and the logits
-  int hidden_size = 0;                     // D
-  int max_batch = kMaxFusedBatch;          // rows per step, upper bound
-  int max_samples = 1;                     // samples per row, upper bound
+  DType dtype = DType::kBf16;      // of W, hidden and the logits: bf16 or fp16
+  int hidden_size = 0;             // D
+  int max_batch = kMaxFusedBatch;  // rows per step, upper bound
+  int max_samples = 1;             // samples per row, upper bound
 };
 
 // Workspaces (cuBLAS handles, per-rank logits, gathered logits) are allocated
@@ -76,9 +76,10 @@ class AllGatherBaseline {
 // The sampling half alone: Gumbel-max over gathered logits laid out
 // [ranks][batch][row_stride] (rank r's real columns: shard_rows[r], global id
 // shard_offsets[r] + column). One block per (row, sample); greedy rows
-// (inv_temperature 0) take the argmax of the logit. Exposed for tests.
+// (inv_temperature 0) take the argmax of the logit; dtype bf16 or fp16
+// (else cudaErrorInvalidValue). Exposed for tests.
 cudaError_t LaunchGatheredLogitsSample(
-    const void* gathered, KernelDType dtype, int num_ranks,
+    const void* gathered, DType dtype, int num_ranks,
     const int64_t* shard_table, int64_t row_stride, int batch, int num_samples,
     const float* inv_temperature, const uint64_t* seeds, const uint64_t* steps,
     int32_t* token_ids, cudaStream_t stream);

@@ -31,12 +31,12 @@ cudaError_t FromCublas(cublasStatus_t status) {
   }
 }
 
-__device__ __forceinline__ float LoadLogit(const void* logits,
-                                           LogitsDType dtype, int64_t index) {
+__device__ __forceinline__ float LoadLogit(const void* logits, DType dtype,
+                                           int64_t index) {
   switch (dtype) {
-    case LogitsDType::kBf16:
+    case DType::kBf16:
       return __bfloat162float(static_cast<const __nv_bfloat16*>(logits)[index]);
-    case LogitsDType::kFp16:
+    case DType::kFp16:
       return __half2float(static_cast<const __half*>(logits)[index]);
     default:
       return static_cast<const float*>(logits)[index];
@@ -53,7 +53,7 @@ struct MaxOp {
 constexpr int kRowThreads = 1024;
 
 __global__ void __launch_bounds__(kRowThreads)
-    SoftmaxKernel(const void* logits, LogitsDType dtype, int64_t vocab,
+    SoftmaxKernel(const void* logits, DType dtype, int64_t vocab,
                   const float* inv_temperature, float* probs) {
   using Reduce = cub::BlockReduce<float, kRowThreads>;
   __shared__ typename Reduce::TempStorage storage;
@@ -148,7 +148,7 @@ constexpr int kGumbelThreads = 256;
 constexpr int kGumbelChunk = 8192;  // tokens per block: 32 per thread
 
 __global__ void __launch_bounds__(kGumbelThreads)
-    GumbelOverLogitsKernel(const void* logits, LogitsDType dtype, int64_t vocab,
+    GumbelOverLogitsKernel(const void* logits, DType dtype, int64_t vocab,
                            int64_t vocab_offset, int batch, int num_samples,
                            const float* inv_temperature, const uint64_t* seeds,
                            const uint64_t* steps, Candidate* candidates) {
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kStreamThreads)
   if (acc == 0x9e3779b9u) *sink = acc;  // practically never; keeps the loads
 }
 
-__global__ void FillUniformKernel(void* data, int64_t count, LogitsDType dtype,
+__global__ void FillUniformKernel(void* data, int64_t count, DType dtype,
                                   uint64_t seed, float scale) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -262,10 +262,10 @@ __global__ void FillUniformKernel(void* data, int64_t count, LogitsDType dtype,
         static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
     const float value = (2.0f * UniformFromBits(bits.v[0]) - 1.0f) * scale;
     switch (dtype) {
-      case LogitsDType::kBf16:
+      case DType::kBf16:
         static_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16(value);
         break;
-      case LogitsDType::kFp16:
+      case DType::kFp16:
         static_cast<__half*>(data)[i] = __float2half(value);
         break;
       default:
@@ -276,7 +276,7 @@ __global__ void FillUniformKernel(void* data, int64_t count, LogitsDType dtype,
 
 }  // namespace
 
-cudaError_t LaunchFillUniform(void* data, int64_t count, LogitsDType dtype,
+cudaError_t LaunchFillUniform(void* data, int64_t count, DType dtype,
                               uint64_t seed, float scale, cudaStream_t stream) {
   if (data == nullptr || count < 0) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
@@ -285,19 +285,28 @@ cudaError_t LaunchFillUniform(void* data, int64_t count, LogitsDType dtype,
 }
 
 cudaError_t CublasLogits(cublasHandle_t handle, const void* weights,
-                         const void* hidden, KernelDType dtype, int64_t vocab,
+                         const void* hidden, DType dtype, int64_t vocab,
                          int hidden_size, int batch, void* logits,
-                         LogitsDType logits_dtype, cudaStream_t stream) {
+                         DType logits_dtype, cudaStream_t stream) {
   if (vocab < 1 || vocab > INT32_MAX || hidden_size < 1 || batch < 1) {
     return cudaErrorInvalidValue;
   }
+  cudaDataType_t in_type;
+  switch (dtype) {
+    case DType::kBf16:
+      in_type = CUDA_R_16BF;
+      break;
+    case DType::kFp16:
+      in_type = CUDA_R_16F;
+      break;
+    default:
+      return cudaErrorInvalidValue;  // the fused kernel's operands only
+  }
   cublasStatus_t status = cublasSetStream(handle, stream);
   if (status != CUBLAS_STATUS_SUCCESS) return FromCublas(status);
-  const cudaDataType_t in_type =
-      dtype == KernelDType::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
   cudaDataType_t out_type = CUDA_R_32F;
-  if (logits_dtype == LogitsDType::kBf16) out_type = CUDA_R_16BF;
-  if (logits_dtype == LogitsDType::kFp16) out_type = CUDA_R_16F;
+  if (logits_dtype == DType::kBf16) out_type = CUDA_R_16BF;
+  if (logits_dtype == DType::kFp16) out_type = CUDA_R_16F;
   const float alpha = 1.0f;
   const float beta = 0.0f;
   // Column-major view: logits^T [V, B] = W [V, D] (stored as D x V, so
@@ -310,9 +319,8 @@ cudaError_t CublasLogits(cublasHandle_t handle, const void* weights,
   return FromCublas(status);
 }
 
-cudaError_t LaunchSoftmax(const void* logits, LogitsDType logits_dtype,
-                          int64_t vocab, int batch,
-                          const float* inv_temperature, float* probs,
+cudaError_t LaunchSoftmax(const void* logits, DType logits_dtype, int64_t vocab,
+                          int batch, const float* inv_temperature, float* probs,
                           cudaStream_t stream) {
   if (logits == nullptr || probs == nullptr || inv_temperature == nullptr ||
       vocab < 1 || batch < 1) {
@@ -341,7 +349,7 @@ int64_t GumbelLogitsNumChunks(int64_t vocab) {
   return (vocab + kGumbelChunk - 1) / kGumbelChunk;
 }
 
-cudaError_t LaunchGumbelOverLogits(const void* logits, LogitsDType logits_dtype,
+cudaError_t LaunchGumbelOverLogits(const void* logits, DType logits_dtype,
                                    int64_t vocab, int64_t vocab_offset,
                                    int batch, int num_samples,
                                    const float* inv_temperature,

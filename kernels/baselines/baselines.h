@@ -16,28 +16,27 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/dtype.h"
 #include "kernels/noise/philox.h"
 #include "kernels/sampler/fused_sampler.h"
 
 namespace flashsampler {
 
-enum class LogitsDType { kBf16, kFp16, kFp32 };
-
 // logits[b, v] = hidden[b, :] . weights[v, :] through cublasGemmEx: inputs of
-// `dtype`, fp32 compute, logits of `logits_dtype` (kFp32 or the input dtype),
-// row-major [batch, vocab]. cuBLAS failures map to cudaErrorInvalidValue
-// (bad arguments), cudaErrorNotSupported, cudaErrorMemoryAllocation or
+// `dtype` (bf16 or fp16; fp32 gives cudaErrorInvalidValue), fp32 compute,
+// logits of `logits_dtype` (kFp32 or the input dtype), row-major
+// [batch, vocab]. cuBLAS failures map to cudaErrorInvalidValue (bad
+// arguments), cudaErrorNotSupported, cudaErrorMemoryAllocation or
 // cudaErrorUnknown.
 cudaError_t CublasLogits(cublasHandle_t handle, const void* weights,
-                         const void* hidden, KernelDType dtype, int64_t vocab,
+                         const void* hidden, DType dtype, int64_t vocab,
                          int hidden_size, int batch, void* logits,
-                         LogitsDType logits_dtype, cudaStream_t stream);
+                         DType logits_dtype, cudaStream_t stream);
 
 // probs[b, :] = softmax(logits[b, :] * inv_temperature[b]) in fp32; one block
 // per row (max pass, sum pass, write pass).
-cudaError_t LaunchSoftmax(const void* logits, LogitsDType logits_dtype,
-                          int64_t vocab, int batch,
-                          const float* inv_temperature, float* probs,
+cudaError_t LaunchSoftmax(const void* logits, DType logits_dtype, int64_t vocab,
+                          int batch, const float* inv_temperature, float* probs,
                           cudaStream_t stream);
 
 // One token per row by inverse-CDF sampling of probs[b, :] with a uniform
@@ -54,7 +53,7 @@ cudaError_t LaunchMultinomial(const float* probs, int64_t vocab, int batch,
 // vocab_offset + column.
 int GumbelLogitsChunkRows();
 int64_t GumbelLogitsNumChunks(int64_t vocab);
-cudaError_t LaunchGumbelOverLogits(const void* logits, LogitsDType logits_dtype,
+cudaError_t LaunchGumbelOverLogits(const void* logits, DType logits_dtype,
                                    int64_t vocab, int64_t vocab_offset,
                                    int batch, int num_samples,
                                    const float* inv_temperature,
@@ -63,7 +62,7 @@ cudaError_t LaunchGumbelOverLogits(const void* logits, LogitsDType logits_dtype,
 
 // Fills `count` elements with uniform values in [-scale, scale) from a
 // Philox stream keyed by `seed` (benchmark and test inputs).
-cudaError_t LaunchFillUniform(void* data, int64_t count, LogitsDType dtype,
+cudaError_t LaunchFillUniform(void* data, int64_t count, DType dtype,
                               uint64_t seed, float scale, cudaStream_t stream);
 
 // Reads `bytes` (a multiple of 64, 16-byte aligned) once with 16-byte

@@ -72,7 +72,7 @@ struct Options {
   // power and thermal state), so defaults are chosen from these pairs.
   std::vector<std::string> ab_variants;
   // --timeline: calls of the default and of the all-greedy launch recorded
-  // with FusedSampleParams::timeline after the timed ones (wgmma path).
+  // with FusedTuning::timeline after the timed ones (wgmma path).
   int timeline_calls = 0;
 };
 
@@ -255,21 +255,23 @@ class Timer {
   std::vector<cudaEvent_t> stop_;
 };
 
+// One fused schedule of the sweep: the tuning it launches with.
 struct Variant {
   std::string name;
-  FusedKernel kernel;
-  int block_n;
-  L2Hint hint = L2Hint::kAuto;
-  int promotion = 0;
+  FusedTuning tuning;
   int max_batch = kMaxFusedBatch;  // only timed for batches up to this
-  int stage_k = 0;
-  bool split_last_round = true;
-  bool share_last_epilogue = true;
-  bool multicast_h = true;
-  // H declared to TMA as exactly the batch's rows, as before attempt 51
+  // H declared to TMA as exactly the batch's rows
   // (FusedSampleParams::hidden_capacity_rows 0), instead of the padded rows.
   bool exact_h_rows = false;
 };
+
+Variant MakeVariant(std::string name, FusedKernel kernel, int block_n) {
+  Variant variant;
+  variant.name = std::move(name);
+  variant.tuning.kernel = kernel;
+  variant.tuning.block_n = block_n;
+  return variant;
+}
 
 const char* KernelName(FusedKernel kernel) {
   switch (kernel) {
@@ -283,7 +285,7 @@ const char* KernelName(FusedKernel kernel) {
 }
 
 // --timeline: options.timeline_calls calls of `launch` (which records into
-// `timeline`: FusedSampleParams::timeline), each after an L2 flush like the
+// `timeline`: FusedTuning::timeline), each after an L2 flush like the
 // timed ones, written to <out>/timeline_<name>.csv: one row per
 // (call, CTA, consumer, piece) with its three %globaltimer stamps, and the
 // call's length from CUDA events.
@@ -385,11 +387,11 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   BENCH_CHECK(cudaMalloc(&workspace, workspace_bytes));
   BENCH_CHECK(cudaMemset(workspace, 0, workspace_bytes));
   BENCH_CHECK(cudaMalloc(&timeline, timeline_count * sizeof(uint64_t)));
-  BENCH_CHECK(LaunchFillUniform(weights, vocab * hidden, LogitsDType::kBf16,
-                                0x1234, config.scale, stream));
-  BENCH_CHECK(LaunchFillUniform(
-      hidden_states, static_cast<int64_t>(h_capacity_rows) * hidden,
-      LogitsDType::kBf16, 0x5678, config.scale, stream));
+  BENCH_CHECK(LaunchFillUniform(weights, vocab * hidden, DType::kBf16, 0x1234,
+                                config.scale, stream));
+  BENCH_CHECK(LaunchFillUniform(hidden_states,
+                                static_cast<int64_t>(h_capacity_rows) * hidden,
+                                DType::kBf16, 0x5678, config.scale, stream));
   std::vector<float> host_inv_t(max_batch, 1.0f);  // temperature 1
   std::vector<uint64_t> host_seeds(max_batch);
   std::vector<uint64_t> host_steps(max_batch);
@@ -425,62 +427,76 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   std::vector<Variant> variants;
   if (options.sweep) {
     for (int block_n : {16, 64, 128}) {
-      variants.push_back({std::string("fused_mma_n") + std::to_string(block_n),
-                          FusedKernel::kMmaSync, block_n});
+      variants.push_back(
+          MakeVariant(std::string("fused_mma_n") + std::to_string(block_n),
+                      FusedKernel::kMmaSync, block_n));
     }
     if (auto_path == FusedKernel::kWgmma) {  // only where wgmma runs
       for (int block_n : {16, 64, 128}) {
-        Variant narrow{std::string("fused_wgmma_n") + std::to_string(block_n),
-                       FusedKernel::kWgmma, block_n};
-        narrow.stage_k = 64;  // explicit: the default depends on block_n
+        Variant narrow =
+            MakeVariant(std::string("fused_wgmma_n") + std::to_string(block_n),
+                        FusedKernel::kWgmma, block_n);
+        // explicit: the default depends on block_n
+        narrow.tuning.w_stage_k = 64;
         variants.push_back(narrow);
-        Variant wide{
+        Variant wide = MakeVariant(
             std::string("fused_wgmma_n") + std::to_string(block_n) + "_k128",
-            FusedKernel::kWgmma, block_n};
-        wide.stage_k = 128;
+            FusedKernel::kWgmma, block_n);
+        wide.tuning.w_stage_k = 128;
         variants.push_back(wide);
       }
       // The W loads' L2 hint and promotion, where W streaming is all.
       for (L2Hint hint : {L2Hint::kEvictFirst, L2Hint::kEvictNormal}) {
         for (int promotion : {256, 128, -1}) {
-          variants.push_back(
-              {std::string("fused_wgmma_n16_") +
-                   (hint == L2Hint::kEvictFirst ? "first" : "normal") + "_p" +
-                   (promotion < 0 ? "none" : std::to_string(promotion)),
-               FusedKernel::kWgmma, 16, hint, promotion, 16});
+          Variant variant = MakeVariant(
+              std::string("fused_wgmma_n16_") +
+                  (hint == L2Hint::kEvictFirst ? "first" : "normal") + "_p" +
+                  (promotion < 0 ? "none" : std::to_string(promotion)),
+              FusedKernel::kWgmma, 16);
+          variant.tuning.w_l2_hint = hint;
+          variant.tuning.w_l2_promotion = promotion;
+          variant.max_batch = 16;
+          variants.push_back(variant);
         }
       }
       // The 128-wide tiles (default stages) without the split of a
-      // half-empty last round (FusedSampleParams::split_last_round).
-      Variant whole{"fused_wgmma_n128_nosplit", FusedKernel::kWgmma, 128};
-      whole.split_last_round = false;
+      // half-empty last round (FusedTuning::split_last_round).
+      Variant whole =
+          MakeVariant("fused_wgmma_n128_nosplit", FusedKernel::kWgmma, 128);
+      whole.tuning.split_last_round = false;
       variants.push_back(whole);
       // The default tiles with the CTA's last epilogue on its owner alone
-      // (FusedSampleParams::share_last_epilogue).
-      Variant alone{"fused_wgmma_noshare", FusedKernel::kWgmma, 0};
-      alone.share_last_epilogue = false;
+      // (FusedTuning::share_last_epilogue).
+      Variant alone =
+          MakeVariant("fused_wgmma_noshare", FusedKernel::kWgmma, 0);
+      alone.tuning.share_last_epilogue = false;
       variants.push_back(alone);
       // The 128-wide tiles with each CTA loading its own H (no 2-CTA
-      // clusters; FusedSampleParams::multicast_h), where one batch tile
+      // clusters; FusedTuning::multicast_h), where one batch tile
       // would multicast it.
-      Variant own_h{"fused_wgmma_n128_nomulticast", FusedKernel::kWgmma, 128};
-      own_h.multicast_h = false;
+      Variant own_h =
+          MakeVariant("fused_wgmma_n128_nomulticast", FusedKernel::kWgmma, 128);
+      own_h.tuning.multicast_h = false;
       own_h.max_batch = 128;
       variants.push_back(own_h);
       // The default tiles with H declared as exactly the batch's rows, so
       // that the boxes of a partial batch tile cross the tensor's end.
-      Variant exact_h{"fused_wgmma_exact_h_rows", FusedKernel::kWgmma, 0};
+      Variant exact_h =
+          MakeVariant("fused_wgmma_exact_h_rows", FusedKernel::kWgmma, 0);
       exact_h.exact_h_rows = true;
       variants.push_back(exact_h);
       // The wider tiles with W's L2 promotion at 128 B and none (256 B is
       // their default).
       for (int block_n : {64, 128}) {
         for (int promotion : {128, -1}) {
-          variants.push_back(
-              {std::string("fused_wgmma_n") + std::to_string(block_n) +
-                   "_normal_p" +
-                   (promotion < 0 ? "none" : std::to_string(promotion)),
-               FusedKernel::kWgmma, block_n, L2Hint::kEvictNormal, promotion});
+          Variant variant = MakeVariant(
+              std::string("fused_wgmma_n") + std::to_string(block_n) +
+                  "_normal_p" +
+                  (promotion < 0 ? "none" : std::to_string(promotion)),
+              FusedKernel::kWgmma, block_n);
+          variant.tuning.w_l2_hint = L2Hint::kEvictNormal;
+          variant.tuning.w_l2_promotion = promotion;
+          variants.push_back(variant);
         }
       }
     }
@@ -508,57 +524,47 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     // in_kernel: stage 2 inside the stage-1 kernel (the one-GPU path);
     // otherwise candidates + LaunchReduceCandidates (the tensor-parallel
     // layout).
-    auto fused_run =
-        [&](FusedKernel kernel, int block_n, bool in_kernel, bool greedy,
-            L2Hint hint = L2Hint::kAuto, int promotion = 0, int stage_k = 0,
-            bool split_last_round = true, bool share_last_epilogue = true,
-            bool multicast_h = true, bool exact_h_rows = false) {
-          FusedSampleParams params;
-          params.weights = weights;
-          params.hidden = hidden_states;
-          params.hidden_capacity_rows = exact_h_rows ? 0 : h_capacity_rows;
-          params.dtype = KernelDType::kBf16;
-          params.vocab_rows = vocab;
-          params.vocab_offset = 0;
-          params.hidden_size = hidden;
-          params.batch = batch;
-          params.num_samples = 1;
-          params.inv_temperature = greedy ? zeros : inv_temperature;
-          params.seeds = seeds;
-          params.steps = steps;
-          params.candidates = in_kernel ? nullptr : candidates;
-          params.token_ids = in_kernel ? tokens : nullptr;
-          // The tensor-parallel layout prunes against the workspace too.
-          params.floor_in_workspace = !in_kernel;
-          params.kernel = kernel;
-          params.block_n = block_n;
-          params.w_l2_hint = hint;
-          params.w_l2_promotion = promotion;
-          params.w_stage_k = stage_k;
-          params.split_last_round = split_last_round;
-          params.share_last_epilogue = share_last_epilogue;
-          params.multicast_h = multicast_h;
-          params.timeline = timeline_now;
-          params.timeline_pieces = kTimelinePieces;
-          cudaError_t error =
-              LaunchFusedSample(params, workspace, workspace_bytes, stream);
-          if (error != cudaSuccess || in_kernel) return error;
-          return LaunchReduceCandidates(candidates, tiles, 1, batch, tokens,
-                                        nullptr, stream);
-        };
-    auto fused = [&](FusedKernel kernel, int block_n) {
-      return fused_run(kernel, block_n, true, false);
+    auto fused_run = [&](const FusedTuning& tuning, bool in_kernel, bool greedy,
+                         bool exact_h_rows = false) {
+      FusedSampleParams params;
+      params.weights = weights;
+      params.hidden = hidden_states;
+      params.hidden_capacity_rows = exact_h_rows ? 0 : h_capacity_rows;
+      params.dtype = DType::kBf16;
+      params.vocab_rows = vocab;
+      params.vocab_offset = 0;
+      params.hidden_size = hidden;
+      params.batch = batch;
+      params.num_samples = 1;
+      params.inv_temperature = greedy ? zeros : inv_temperature;
+      params.seeds = seeds;
+      params.steps = steps;
+      params.candidates = in_kernel ? nullptr : candidates;
+      params.token_ids = in_kernel ? tokens : nullptr;
+      // The tensor-parallel layout prunes against the workspace too.
+      params.floor_in_workspace = !in_kernel;
+      params.tuning = tuning;
+      params.tuning.timeline = timeline_now;
+      params.tuning.timeline_pieces = kTimelinePieces;
+      cudaError_t error =
+          LaunchFusedSample(params, workspace, workspace_bytes, stream);
+      if (error != cudaSuccess || in_kernel) return error;
+      return LaunchReduceCandidates(candidates, tiles, 1, batch, tokens,
+                                    nullptr, stream);
     };
+    // The production schedule on the resolved path.
+    FusedTuning auto_tuning;
+    auto_tuning.kernel = auto_path;
+    auto fused = [&] { return fused_run(auto_tuning, true, false); };
     auto cublas_only = [&] {
-      return CublasLogits(cublas, weights, hidden_states, KernelDType::kBf16,
-                          vocab, hidden, batch, logits, LogitsDType::kBf16,
-                          stream);
+      return CublasLogits(cublas, weights, hidden_states, DType::kBf16, vocab,
+                          hidden, batch, logits, DType::kBf16, stream);
     };
     auto softmax_multinomial = [&] {
       cudaError_t error = cublas_only();
       if (error != cudaSuccess) return error;
-      error = LaunchSoftmax(logits, LogitsDType::kBf16, vocab, batch,
-                            inv_temperature, probs, stream);
+      error = LaunchSoftmax(logits, DType::kBf16, vocab, batch, inv_temperature,
+                            probs, stream);
       if (error != cudaSuccess) return error;
       return LaunchMultinomial(probs, vocab, batch, seeds, steps, tokens,
                                stream);
@@ -566,8 +572,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     auto gumbel = [&] {
       cudaError_t error = cublas_only();
       if (error != cudaSuccess) return error;
-      error = LaunchGumbelOverLogits(logits, LogitsDType::kBf16, vocab, 0,
-                                     batch, 1, inv_temperature, seeds, steps,
+      error = LaunchGumbelOverLogits(logits, DType::kBf16, vocab, 0, batch, 1,
+                                     inv_temperature, seeds, steps,
                                      gumbel_candidates, stream);
       if (error != cudaSuccess) return error;
       return LaunchReduceCandidates(gumbel_candidates, chunks, 1, batch, tokens,
@@ -592,10 +598,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       return true;
     };
     auto launch_variant = [&](const Variant& variant) {
-      return fused_run(variant.kernel, variant.block_n, true, false,
-                       variant.hint, variant.promotion, variant.stage_k,
-                       variant.split_last_round, variant.share_last_epilogue,
-                       variant.multicast_h, variant.exact_h_rows);
+      return fused_run(variant.tuning, true, false, variant.exact_h_rows);
     };
     auto time = [&](const std::string& name,
                     const std::function<cudaError_t()>& launch) {
@@ -605,16 +608,15 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       write_row(name, stats);
       return true;
     };
-    if (!time("fused", [&] { return fused(auto_path, 0); }) ||
-        !time("cublas_only", cublas_only) ||
+    if (!time("fused", fused) || !time("cublas_only", cublas_only) ||
         !time("cublas_softmax_multinomial", softmax_multinomial) ||
         !time("cublas_gumbel", gumbel)) {
       return false;
     }
     if (!time("fused_two_launches",
-              [&] { return fused_run(auto_path, 0, false, false); }) ||
+              [&] { return fused_run(auto_tuning, false, false); }) ||
         !time("fused_all_greedy",
-              [&] { return fused_run(auto_path, 0, true, true); }) ||
+              [&] { return fused_run(auto_tuning, true, true); }) ||
         !time("stage2_only", [&] {
           return LaunchReduceCandidates(candidates, tiles, 1, batch, tokens,
                                         nullptr, stream);
@@ -638,10 +640,10 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     // first, fused last). At B >= 128 the GPU reaches its power cap within
     // a method's calls, and after the set-up's pause the first method timed
     // for a batch (the fused one above) meets the clock's undershoot; this
-    // pair shows how far the order alone moves the ratio (docs/perf/
-    // README.md, "Order").
+    // pair shows how far the order alone moves the ratio
+    // (docs/performance.md).
     if (!time("cublas_only_repeat", cublas_only) ||
-        !time("fused_repeat", [&] { return fused(auto_path, 0); })) {
+        !time("fused_repeat", [&] { return fused(); })) {
       return false;
     }
     // The headline pair again, call for call alternately (see
@@ -649,8 +651,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     Stats fused_alt;
     Stats cublas_alt;
     if (!timer.RunInterleaved(
-            options.warmup, [&] { return fused(auto_path, 0); }, cublas_only,
-            &fused_alt, &cublas_alt)) {
+            options.warmup, [&] { return fused(); }, cublas_only, &fused_alt,
+            &cublas_alt)) {
       return false;
     }
     write_row("fused_interleaved", fused_alt);
@@ -665,7 +667,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                   (greedy ? "_all_greedy" : ""),
               timeline, timeline_count, kTimelinePieces, timer, stream, [&] {
                 timeline_now = timeline;
-                const cudaError_t error = fused_run(auto_path, 0, true, greedy);
+                const cudaError_t error = fused_run(auto_tuning, true, greedy);
                 timeline_now = nullptr;
                 return error;
               })) {
@@ -683,7 +685,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       Stats default_ab;
       Stats variant_ab;
       if (!timer.RunInterleaved(
-              options.warmup, [&] { return fused(auto_path, 0); },
+              options.warmup, [&] { return fused(); },
               [&] { return launch_variant(*variant); }, &default_ab,
               &variant_ab)) {
         if (!note_failed(name + "_ab")) return false;

@@ -201,7 +201,7 @@ FusedSampleParams ParamsFor(const RankInputs& in, int64_t rows, int64_t offset,
   FusedSampleParams p;
   p.weights = in.weights;
   p.hidden = in.hidden;
-  p.dtype = KernelDType::kBf16;
+  p.dtype = DType::kBf16;
   p.vocab_rows = rows;
   p.vocab_offset = offset;
   p.hidden_size = hidden;
@@ -212,7 +212,7 @@ FusedSampleParams ParamsFor(const RankInputs& in, int64_t rows, int64_t offset,
   p.inv_temperature = in.inv_temperature;
   p.seeds = in.seeds;
   p.steps = in.steps;
-  p.kernel = kernel;
+  p.tuning.kernel = kernel;
   return p;
 }
 
@@ -415,8 +415,8 @@ int Main(int argc, char** argv) {
         TpExchange::Create(devices, comms.get(), layout, ex_options, &nccl_ex));
   }
   if (ranks > 1 && has_mode("tiles")) {
-    // The NCCL exchange as before session 4: every tile's candidate to rank
-    // 0 instead of each rank's winners.
+    // The NCCL exchange with every tile's candidate sent to rank 0 instead
+    // of each rank's winners (what the winners save).
     TpExchangeOptions tiles_options = ex_options;
     tiles_options.transport = TpTransport::kNcclDevice;
     tiles_options.send_shard_winners = false;
@@ -553,7 +553,8 @@ int Main(int argc, char** argv) {
   std::fclose(csv);
   std::fflush(stdout);
 
-  // Fused TP modes must reproduce TP1's tokens exactly (DESIGN.md rule 2).
+  // Fused TP modes must reproduce TP1's tokens exactly
+  // (docs/design.md#invariance).
   int fused_mismatches = 0;
   for (const Row& row : rows) {
     if (row.mode.find("_fused_") != std::string::npos) {
@@ -582,7 +583,8 @@ int Main(int argc, char** argv) {
 }  // namespace flashsampler
 
 int main(int argc, char** argv) {
-  // Before anything can initialise NCCL (DESIGN.md: never NVLink multicast).
+  // Before anything can initialise NCCL: never NVLink multicast
+  // (docs/design.md#tensor-parallelism).
   setenv("NCCL_NVLS_ENABLE", "0", 1);
   setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
   setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);

@@ -1,6 +1,6 @@
 // Counter-based Gumbel noise shared by the CUDA kernels and the CPU backend.
 // Noise is a pure function of (seed, step, global token id, sample index)
-// (DESIGN.md rule 1; built per block of 16 token ids, see NoiseBlockOf),
+// (docs/design.md#noise; built per block of 16 token ids, see NoiseBlockOf),
 // and host and device evaluate it with the same IEEE
 // single-precision operations in the same order, so both produce bit-identical
 // noise: a CPU result and a GPU result differ only where their logits differ.
@@ -157,7 +157,7 @@ FS_HOST_DEVICE float GumbelFromUniform(float u) {
 // seed, counter = (token_group, sample_index, step low word, step high
 // word). Word j of the output is token 4*token_group + j. Nothing here
 // depends on tiles, blocks, batch position or tensor-parallel rank
-// (DESIGN.md rule 1).
+// (docs/design.md#noise).
 FS_HOST_DEVICE Philox4x32 NoiseBits4(uint64_t seed, uint64_t step,
                                      uint32_t sample_index,
                                      uint32_t token_group) {
@@ -192,7 +192,7 @@ FS_HOST_DEVICE uint32_t PhiloxWord(const Philox4x32& bits, uint32_t index) {
 // the construction adds is the block's largest noise, -log(E_min), from one
 // word: a block whose largest scaled logit plus that noise is below a score
 // already reached cannot hold the winner, so none of its token words are
-// needed (the kernels' pruning, docs/perf/fused_kernel_attempts.md attempt 27).
+// needed (the kernels' pruning, docs/design.md#exactness-and-refusals).
 // In terms of uniforms, the first slot's u is M = U^(1/16) (the maximum of 16
 // uniforms) and the others' are M * v. Resolution: U and v have 2^23 cells
 // (UniformFromBits), so the largest noise is about 19.4 (E_min >= 3.7e-9).
@@ -200,7 +200,8 @@ FS_HOST_DEVICE uint32_t PhiloxWord(const Philox4x32& bits, uint32_t index) {
 // The four blocks of a block group (64 consecutive ids, group = token id /
 // 64) take their words from one Philox call, word j for block 4 * group + j:
 // the wgmma kernel makes each call once for the four warps whose rows hold
-// those blocks, not once per block (attempt 33).
+// those blocks, not once per block (a quarter of the block words' Philox
+// calls).
 constexpr uint32_t kNoiseBlockTokens = 16;
 constexpr uint32_t kNoiseBlockShift = 4;  // log2(kNoiseBlockTokens)
 constexpr uint32_t kNoiseBlocksPerGroup = 4;
@@ -318,7 +319,7 @@ struct Candidate {
 };
 
 // Total order used by every reduction: higher score wins, equal scores go to
-// the lowest global token id (DESIGN.md: ties break toward the lowest id).
+// the lowest global token id (docs/design.md#ties-and-reduction-order).
 FS_HOST_DEVICE bool CandidateBetter(float score, int32_t token_id,
                                     float best_score, int32_t best_token_id) {
   return score > best_score ||

@@ -198,8 +198,8 @@ __device__ __forceinline__ void MbarrierArriveCount(uint32_t bar,
 
 // Arrives on the mbarrier at the same shared-memory offset as `bar` in the
 // cluster's CTA `rank` (CUTLASS's ClusterBarrier::arrive(cta_id): the
-// default .release.cta semantics; attempt 13 measured .release.cluster
-// twice as slow).
+// default .release.cta semantics; .release.cluster measured twice as
+// slow).
 __device__ __forceinline__ void MbarrierArriveRemote(uint32_t bar,
                                                      uint32_t rank) {
 #if FS_SM90A_ENABLED
@@ -261,7 +261,7 @@ __device__ __forceinline__ void WgmmaWait() {
 // The main loop advances descriptors with 32-bit adds on the low word: the
 // address field (bits 0-13) cannot carry, shared memory being < 256 KB. A
 // 64-bit add cost a carry chain and twice the moves into uniform registers
-// per wgmma (device profile 2026-11-22: ~216 instructions per k-step).
+// per wgmma (~216 instructions per k-step in a device profile).
 __device__ __forceinline__ uint32_t WgmmaDescriptorLow(uint32_t smem_address) {
   return ((smem_address & 0x3FFFFu) >> 4) | ((16u >> 4) << 16);
 }

@@ -20,8 +20,8 @@
 // fast logarithm) discard the tokens that are strictly worse than a
 // candidate already reached in this launch, and only the rest get the exact
 // noise of kernels/noise/philox.h. The winner, ties included, is never
-// discarded, so the result is the unpruned result bit for bit (docs/perf/
-// fused_kernel_attempts.md, attempts 4-6, 10 and 27).
+// discarded, so the result is the unpruned result bit for bit
+// (docs/design.md#exactness-and-refusals).
 #ifndef FLASHSAMPLER_KERNELS_FUSED_EPILOGUE_CUH_
 #define FLASHSAMPLER_KERNELS_FUSED_EPILOGUE_CUH_
 
@@ -38,13 +38,15 @@
 namespace flashsampler {
 namespace fused {
 
-// Element type of a DTypeTag.
-template <DTypeTag kDType>
-struct ElementOf {
+// Element type of a DType the tensor cores take (bf16 or fp16).
+template <DType kDType>
+struct ElementOf;
+template <>
+struct ElementOf<DType::kBf16> {
   using Type = __nv_bfloat16;
 };
 template <>
-struct ElementOf<DTypeTag::kFp16> {
+struct ElementOf<DType::kFp16> {
   using Type = __half;
 };
 
@@ -53,7 +55,7 @@ struct ElementOf<DTypeTag::kFp16> {
 // __fdiv_rn compiles to a fast path (reciprocal, one Newton step, one FMA
 // correction) guarded by FCHK and a call to a slow path for operands near
 // the exponent limits, and that call splits the epilogue's four independent
-// log chains into separate basic blocks (device run 2: ~3100 cycles per
+// log chains into separate basic blocks (measured: ~3100 cycles per
 // fragment, ~6x its instruction count). AccurateLog only divides f in
 // [-0.30, 0.42] by 2 + f in [1.7, 2.5], where FCHK never fails, so the fast
 // path alone is __fdiv_rn. DivideInLogRange is that fast path, instruction
@@ -285,7 +287,7 @@ __device__ __forceinline__ void LoadColumnParams(const FusedArgs& args,
 // later calls of any CTA prune against them. Reading every call's keys
 // afresh instead (8 times the requests to the few L2 lines that every CTA
 // reads and updates) cost 6% at qwen B = 128 on H200
-// (docs/perf/fused_kernel_attempts.md, attempt 29).
+// (docs/performance.md).
 __device__ __forceinline__ unsigned long long ColumnKey(const FusedArgs& args,
                                                         int sample, int b) {
   if (args.keys == nullptr || b >= args.batch) return 0ull;
@@ -522,8 +524,8 @@ __device__ __forceinline__ void ScoreSurvivingBlocks(uint32_t pending,
 // shared.best. kLanesPerColumn aligned lanes hold the same column (4 for the
 // mma.sync staging, 2 for the wgmma one); all 32 lanes of the warp call this
 // together. More runs per lane give the noise more independent chains to
-// interleave (a single epilogue warp per scheduler is latency-bound: device
-// profile 2026-11-22, docs/perf/fused_kernel_attempts.md attempt 10).
+// interleave (a single epilogue warp per scheduler is latency-bound in the
+// device profiles; docs/design.md#performance-model).
 // `logits` gives the lane's logits: Run(f) the 4 of run f, At(i) logit i = 4f
 // + q; the wgmma path reads them from its staging buffer when needed rather
 // than keeping 16 of them live next to the 128 accumulators. With
@@ -542,7 +544,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
   const auto row = [row0, run_stride](int f) { return row0 + f * run_stride; };
   // Rows at or past the shard's end are TMA's zero padding. Counted once in
   // 32 bits from row0: a 64-bit compare per token cost ~50 instructions per
-  // call (profile of attempt 10b).
+  // call.
   const int64_t rows_after_row0 = args.vocab_rows - row0;
   const int valid_rows =
       rows_after_row0 <= 0
@@ -591,9 +593,8 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
   // one Philox word and the block's largest logit bound all 16 scores. Once
   // the launch's floor is known, a block below the threshold (the floor,
   // the CTA's best so far) needs no token words at all: ~99.5% of the
-  // blocks of the benchmark's flat rows (docs/perf/fused_kernel_attempts.md,
-  // attempt 27); the few left are scored by ScoreSurvivingBlocks, four
-  // lanes each.
+  // blocks of the benchmark's flat rows (docs/performance.md); the few
+  // left are scored by ScoreSurvivingBlocks, four lanes each.
   constexpr bool kBlockLayout =
       kRuns * 4 == static_cast<int>(kNoiseBlockTokens) &&
       std::is_same<Logits, StagedLogits>::value;
@@ -683,7 +684,7 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
   // run of 4 and no bounds: with no floor to prune against, bounding the
   // tokens left most of them to score anyway, each survivor with its word
   // call made again, and such a call took 18 us against 1.5 us for one
-  // with floors (docs/perf/fused_kernel_attempts.md, attempt 32).
+  // with floors (docs/performance.md).
   bool scored_exactly = false;
   if constexpr (kBlockLayout) {
     scored_exactly = !block_path && lane_holds_block;  // warp-uniform
@@ -958,7 +959,7 @@ __device__ __forceinline__ void ScoreFragmentQuad(
 // Moves accumulator block 0 (an n8 block's 4 floats) to the end of the
 // array: the mma.sync epilogue walks the n8 blocks with a run-time loop that
 // always reads block 0, so the scoring code is emitted once instead of once
-// per block (device run 2: 480 KB of SASS per kernel). After kBlocks
+// per block (else 480 KB of SASS per kernel). After kBlocks
 // rotations the array is back in its original order.
 template <int kBlocks>
 __device__ __forceinline__ void RotateBlocks(float (&acc)[kBlocks][4]) {
@@ -979,7 +980,7 @@ __device__ __forceinline__ void RotateBlocks(float (&acc)[kBlocks][4]) {
 // out[block][half][4], without a run-time index into the arrays (which would
 // move them to local memory): one switch on the warp-uniform pair number, one
 // small case per pair. One switch rather than one per block: four of them
-// made ptxas spill the copies (attempt 10).
+// made ptxas spill the copies.
 template <int kCount>
 __device__ __forceinline__ void ReadBlockQuad(const float (&acc0)[kCount],
                                               const float (&acc1)[kCount],

@@ -11,24 +11,52 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/dtype.h"
 #include "kernels/noise/philox.h"
 
 namespace flashsampler {
-
-enum class KernelDType { kBf16, kFp16 };
 
 // Which tensor-core path runs stage 1. Both accumulate k-steps 0..D in order
 // into one fp32 accumulator per logit, but they are different instructions
 // (HMMA vs HGMMA), so one device must always use the same one: kAuto picks
 // wgmma on sm_90 (when the binary carries sm_90a code) and mma.sync
-// elsewhere, for every batch size. Forcing a path is for tests and the
-// benchmark.
+// elsewhere, for every batch size (docs/design.md#invariance).
 enum class FusedKernel { kAuto, kMmaSync, kWgmma };
 
-// L2 eviction priority of the wgmma path's W loads (a tuning knob; tokens
-// are the same for every choice). kAuto: normal (measured faster than
-// evict-first, docs/perf/fused_kernel_attempts.md).
+// L2 eviction priority of the wgmma path's W loads.
 enum class L2Hint { kAuto, kEvictFirst, kEvictNormal };
+
+// Knobs the benchmark and the tests turn to compare schedules; production
+// leaves every one at its default. On one path no knob changes a bit of
+// any result (same k order, same tie-break); the defaults are the fastest
+// measured schedule (docs/performance.md).
+struct FusedTuning {
+  // Tensor-core path; kAuto: the device's one path.
+  FusedKernel kernel = FusedKernel::kAuto;
+  // Batch columns per work item: 0 = the heuristic; else 16, 64 or 128.
+  int block_n = 0;
+  // wgmma W loads' L2 hint; kAuto: evict-first on small shards at block_n 16.
+  L2Hint w_l2_hint = L2Hint::kAuto;
+  // wgmma W tensor map's L2 promotion in bytes: 0 = auto, 128, 256 or -1.
+  int w_l2_promotion = 0;
+  // Elements of D per wgmma pipeline stage: 0 = auto, 64 or 128 (D not a
+  // multiple of 128 takes 64).
+  int w_stage_k = 0;
+  // wgmma block_n 128: a half-empty last round runs as 64-column halves.
+  bool split_last_round = true;
+  // wgmma block_n >= 64: both consumer warpgroups score the CTA's last piece.
+  bool share_last_epilogue = true;
+  // wgmma block_n 128, B = 65..128: 2-CTA clusters multicast H by TMA
+  // (where the GPU can hold the persistent grid's pairs at once).
+  bool multicast_h = true;
+  // Profiling (fs_bench --timeline): the wgmma path records, per (CTA,
+  // consumer warpgroup, piece), the %globaltimer nanoseconds at which the
+  // piece's wgmmas start (after the hand-off), end, and its scoring ends,
+  // into timeline[((cta * 2 + consumer) * timeline_pieces + piece) * 3 +
+  // event]; pieces past timeline_pieces are not recorded. Null: off.
+  uint64_t* timeline = nullptr;
+  int timeline_pieces = 0;
+};
 
 // Arguments of one stage-1 launch over one vocabulary shard.
 struct FusedSampleParams {
@@ -39,16 +67,16 @@ struct FusedSampleParams {
   // column's logits use its own row of H alone), so any values do. The
   // wgmma path then declares H to TMA as the batch rounded up to the tile
   // width (within these rows), so that no H box crosses the tensor's end:
-  // on H200 such boxes made qwen B = 136 1.45x slower, ~2.5 us per missing
-  // row per launch (docs/perf/fused_kernel_attempts.md, attempt 51). The
-  // CUDA engine passes its staging buffer's rows.
+  // such boxes cost ~2.5 us per missing row per launch (qwen B = 136 ran
+  // 1.45x slower on H200; docs/performance.md). The CUDA engine passes its
+  // staging buffer's rows.
   int hidden_capacity_rows = 0;
-  KernelDType dtype = KernelDType::kBf16;
-  int64_t vocab_rows = 0;    // rows of `weights` (this shard)
-  int64_t vocab_offset = 0;  // global token id of weights row 0
-  int hidden_size = 0;       // D; a multiple of 64
-  int batch = 0;             // B rows, 1 .. kMaxFusedBatch
-  int num_samples = 1;       // n samples per row (sample index 0 .. n-1)
+  DType dtype = DType::kBf16;  // of weights and hidden: bf16 or fp16
+  int64_t vocab_rows = 0;      // rows of `weights` (this shard)
+  int64_t vocab_offset = 0;    // global token id of weights row 0
+  int hidden_size = 0;         // D; a multiple of 64
+  int batch = 0;               // B rows, 1 .. kMaxFusedBatch
+  int num_samples = 1;         // n samples per row (sample index 0 .. n-1)
   // Per row [batch]: 1 / temperature; 0 marks a greedy row (argmax of the
   // logit, no noise).
   const float* inv_temperature = nullptr;
@@ -76,8 +104,8 @@ struct FusedSampleParams {
   Candidate* shard_winners = nullptr;
   // With candidates and no token_ids (tensor parallel): also keep each row's
   // best published candidate in the workspace (as token_ids needs it), so
-  // that tiles skip the tokens that cannot beat it (docs/perf/
-  // fused_kernel_attempts.md, attempt 5). A tile that cannot hold the winner
+  // that tiles skip the tokens that cannot beat it
+  // (docs/design.md#tensor-parallelism). A tile that cannot hold the winner
   // may then report a dominated candidate or none (kNoToken at -inf);
   // LaunchReduceCandidates over all tiles gives the same tokens, bit for
   // bit. The workspace must be on this launch's GPU, zero-filled once and
@@ -86,44 +114,8 @@ struct FusedSampleParams {
   bool floor_in_workspace = false;
   // Optional [batch, vocab_rows] fp32 logits (tests of the IO model only).
   float* logits_out = nullptr;
-  // Tensor-core path (see FusedKernel) and batch columns per work item (0 =
-  // the heuristic; else 16, 64 or 128; larger batches take several). Results
-  // are bit-identical for every choice of block_n on one path; tests and the
-  // benchmark sweep them.
-  FusedKernel kernel = FusedKernel::kAuto;
-  int block_n = 0;
-  // Tuning knobs of the wgmma path's W loads, swept by the benchmark: the
-  // L2 hint, and the tensor map's L2 promotion in bytes (0 = the default:
-  // 128 at block_n 16 and 64, 256 at 128; or 256, 128, or -1 for none).
-  L2Hint w_l2_hint = L2Hint::kAuto;
-  int w_l2_promotion = 0;
-  // Elements of D per wgmma pipeline stage: 0 = the default (128 for the
-  // 16-wide tiles up to B = 32, else 64), 64 or 128 (two swizzle-wide
-  // k-blocks: 256 contiguous bytes of each W row per stage; D not a
-  // multiple of 128 uses 64). Same k order, same bits.
-  int w_stage_k = 0;
-  // wgmma path, block_n 128: when the persistent grid's last round of items
-  // fills at most half the SMs, cut its items into two 64-column halves on
-  // twice as many SMs (half an item per SM instead of a whole one). Off only
-  // for the benchmark's comparison; same bits either way.
-  bool split_last_round = true;
-  // wgmma path, block_n >= 64: the CTA's last piece is scored by both
-  // consumer warpgroups (its owner stages half of its accumulators in shared
-  // memory). Off only for the benchmark's comparison; same bits either way.
-  bool share_last_epilogue = true;
-  // wgmma path, block_n 128 with one batch tile (B = 65..128): pairs of
-  // CTAs (2-CTA clusters) load H once for both by TMA multicast, where the
-  // GPU can hold the persistent grid's pairs at once. Off only for the
-  // benchmark's and the tests' comparisons; same bits either way.
-  bool multicast_h = true;
-  // Optional, for profiling (fs_bench --timeline): the wgmma path records,
-  // per (CTA, consumer warpgroup, piece), the %globaltimer nanoseconds at
-  // which the piece's wgmmas start (after the hand-off), end, and its
-  // scoring ends, into timeline[((cta * 2 + consumer) * timeline_pieces +
-  // piece) * 3 + event]; pieces past timeline_pieces are not recorded.
-  // Everything else is unchanged.
-  uint64_t* timeline = nullptr;
-  int timeline_pieces = 0;
+  // Schedule knobs of the benchmark and the tests; production: defaults.
+  FusedTuning tuning;
 };
 
 constexpr int kMaxFusedBatch = 256;
@@ -147,15 +139,14 @@ size_t FusedSampleWorkspaceSize(int batch, int64_t vocab_rows, int hidden_size);
 // The path kAuto resolves to on the current device (kMmaSync or kWgmma).
 FusedKernel FusedSampleResolveKernel(FusedKernel requested);
 
-// Stage 1. Returns cudaErrorInvalidValue for unsupported shapes (hidden not a
-// multiple of 64, batch outside 1..kMaxFusedBatch, null or misaligned
-// pointers: weights and hidden must be 16-byte aligned; none of candidates,
-// token_ids and shard_winners; token_ids, shard_winners or
+// Stage 1. Returns cudaErrorInvalidValue for unsupported operands (dtype
+// fp32, hidden not a multiple of 64, batch outside 1..kMaxFusedBatch, null
+// or misaligned pointers: weights and hidden must be 16-byte aligned; none of
+// candidates, token_ids and shard_winners; token_ids, shard_winners or
 // floor_in_workspace without a large enough workspace, or with
 // num_samples > kMaxFusedInKernelSamples where the in-kernel stage 2 is
-// needed), and
-// cudaErrorNotSupported for a forced path or block_n this device or build
-// lacks.
+// needed), and cudaErrorNotSupported for a forced path or block_n
+// (FusedTuning) this device or build lacks.
 cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
                               size_t workspace_bytes, cudaStream_t stream);
 

@@ -7,7 +7,7 @@
 // sample) and kBlockN batch columns. A stage holds 128 vocab rows x 64 of D
 // (16 KB of W) plus kBlockN x 64 of the hidden states; every logit is one
 // fp32 accumulator fed k-steps 0..D in order, whatever kBlockN is, so a
-// row's logits do not depend on the batch (DESIGN.md rule 2).
+// row's logits do not depend on the batch (docs/design.md#invariance).
 #ifndef FLASHSAMPLER_KERNELS_FUSED_SAMPLER_MMA_CUH_
 #define FLASHSAMPLER_KERNELS_FUSED_SAMPLER_MMA_CUH_
 
@@ -247,7 +247,7 @@ struct MmaTileConfig<128> {
   static constexpr int kWarpsM = 2, kWarpsN = 4, kStages = 3, kMinBlocks = 2;
 };
 
-template <DTypeTag kDType, int kBlockN>
+template <DType kDType, int kBlockN>
 cudaError_t LaunchMma(const FusedArgs& args, cudaStream_t stream) {
   using Tile = MmaTileConfig<kBlockN>;
   return LaunchMmaKernel<typename ElementOf<kDType>::Type, kBlockN,

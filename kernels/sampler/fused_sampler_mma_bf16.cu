@@ -5,12 +5,12 @@
 namespace flashsampler {
 namespace fused {
 
-template cudaError_t LaunchMma<DTypeTag::kBf16, 16>(const FusedArgs&,
-                                                    cudaStream_t);
-template cudaError_t LaunchMma<DTypeTag::kBf16, 64>(const FusedArgs&,
-                                                    cudaStream_t);
-template cudaError_t LaunchMma<DTypeTag::kBf16, 128>(const FusedArgs&,
-                                                     cudaStream_t);
+template cudaError_t LaunchMma<DType::kBf16, 16>(const FusedArgs&,
+                                                 cudaStream_t);
+template cudaError_t LaunchMma<DType::kBf16, 64>(const FusedArgs&,
+                                                 cudaStream_t);
+template cudaError_t LaunchMma<DType::kBf16, 128>(const FusedArgs&,
+                                                  cudaStream_t);
 
 }  // namespace fused
 }  // namespace flashsampler

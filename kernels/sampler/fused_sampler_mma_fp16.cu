@@ -5,12 +5,12 @@
 namespace flashsampler {
 namespace fused {
 
-template cudaError_t LaunchMma<DTypeTag::kFp16, 16>(const FusedArgs&,
-                                                    cudaStream_t);
-template cudaError_t LaunchMma<DTypeTag::kFp16, 64>(const FusedArgs&,
-                                                    cudaStream_t);
-template cudaError_t LaunchMma<DTypeTag::kFp16, 128>(const FusedArgs&,
-                                                     cudaStream_t);
+template cudaError_t LaunchMma<DType::kFp16, 16>(const FusedArgs&,
+                                                 cudaStream_t);
+template cudaError_t LaunchMma<DType::kFp16, 64>(const FusedArgs&,
+                                                 cudaStream_t);
+template cudaError_t LaunchMma<DType::kFp16, 128>(const FusedArgs&,
+                                                  cudaStream_t);
 
 }  // namespace fused
 }  // namespace flashsampler

@@ -15,7 +15,7 @@
 // run, and the producer streams W across piece boundaries without draining
 // the ring. With kBlockN >= 64 the CTA's last piece is scored by both
 // consumers (its owner hands half of its columns to the other through
-// shared memory; FusedSampleParams::share_last_epilogue).
+// shared memory; FusedTuning::share_last_epilogue).
 //
 // Items go round-robin to the persistent CTAs (WorkSchedule). Where the
 // last round would leave more than half the SMs idle, its 128-wide items
@@ -25,12 +25,12 @@
 // With one 128-wide batch tile (B = 65..128) every CTA multiplies the same
 // H, and the CTAs run as 2-CTA clusters that load it once per pair (TMA
 // multicast, kClusterCtas = 2): 3% faster at qwen B = 128
-// (docs/perf/fused_kernel_attempts.md, attempt 50).
+// (docs/performance.md).
 //
 // The k-steps of D are issued in order into one fp32 accumulator per logit
 // whatever the wgmma's N is, so a row's logits do not depend on the batch
-// or on the schedule (DESIGN.md rule 2). Rows past the shard or the batch
-// are zero-filled by TMA's out-of-bounds handling and ignored by the
+// or on the schedule (docs/design.md#invariance). Rows past the shard or the
+// batch are zero-filled by TMA's out-of-bounds handling and ignored by the
 // epilogue.
 #ifndef FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_
 #define FLASHSAMPLER_KERNELS_FUSED_SAMPLER_WGMMA_CUH_
@@ -94,8 +94,8 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
 // the last round is at most half full and kBlockN is 128, that round's items
 // in halves of 64 columns, two CTAs per item. Without the split a CTA's cost
 // is ceil(items / grid) items; the split makes the last round half an item
-// (qwen's TP8 shard at B = 128: 85 instead of 100 us; docs/perf/
-// fused_kernel_attempts.md, attempt 18). Producer and consumers walk the
+// (qwen's TP8 shard at B = 128: 85 instead of 100 us;
+// docs/performance.md). Producer and consumers walk the
 // same sequence of pieces.
 //
 // Where the grid is a multiple of the batch tiles, a vocab tile's items
@@ -104,9 +104,9 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
 // their batch tiles rotate by one per round, so that no CTA draws the
 // partial tile all launch long: such CTAs scored almost nothing, ran ahead
 // of their neighbours, and read W from DRAM again by the time the
-// neighbours reached it (qwen B = 136: 666 us sampled against 549 all
-// greedy; docs/perf/fused_kernel_attempts.md, attempt 51). Equal batch
-// tiles keep the schedule they had.
+// neighbours reached it (without the rotation, qwen B = 136 took 666 us
+// sampled against 549 all greedy; docs/performance.md). Equal batch tiles
+// do not rotate.
 struct WorkPiece {
   int64_t tile;  // vocab tile
   int col0;      // first batch column
@@ -285,12 +285,11 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(kClusterCtas == 1 || (kClusterCtas == 2 && kBlockN == 128),
                 "H multicast: pairs of 128-column tiles");
   // The CTA's last piece ends on an epilogue that no other consumer's
-  // wgmmas hide (~15 us at B = 256: docs/perf/fused_kernel_attempts.md,
-  // attempt 20). Its owner stages the accumulators of the piece's second
-  // half of columns in the drained ring, and the other consumer, done with
-  // its own pieces by then, scores those while the owner scores the first
-  // half. For kBlockN >= 64 (each consumer's share is then 32 columns or
-  // more; kBlockN 16 has a short epilogue).
+  // wgmmas hide (~15 us at B = 256: docs/performance.md). Its owner stages the
+  // accumulators of the piece's second half of columns in the drained ring, and
+  // the other consumer, done with its own pieces by then, scores those while
+  // the owner scores the first half. For kBlockN >= 64 (each consumer's share
+  // is then 32 columns or more; kBlockN 16 has a short epilogue).
   constexpr bool kShareLastEpilogue = kBlockN >= 64;
   // Staged quads (16 columns) per warp: half of the widest piece.
   constexpr int kSharedQuads = kBlockN / 32;
@@ -302,8 +301,7 @@ __global__ void __launch_bounds__(384, 1)
   // Rounded up to the 1024 bytes the swizzle atoms need by an offset from
   // smem_raw, not through an integer cast, so that the compiler still knows
   // every pointer below is shared memory (otherwise each epilogue access is
-  // a generic LD/ST and the base pointer a spilled 64-bit value: device
-  // profile 2026-11-22).
+  // a generic LD/ST and the base pointer a spilled 64-bit value).
   uint8_t* smem =
       smem_raw + ((1024u - (ptx::SmemAddr(smem_raw) & 1023u)) & 1023u);
   uint8_t* smem_a = smem;
@@ -331,8 +329,8 @@ __global__ void __launch_bounds__(384, 1)
       static_cast<int>((args.vocab_rows + kTileRows - 1) / kTileRows);
   const int batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
   const WorkSchedule<kBlockN, kClusterCtas == 1> schedule(
-      vocab_tiles * batch_tiles, batch_tiles, gridDim.x, args.split_last_round,
-      args.batch);
+      vocab_tiles * batch_tiles, batch_tiles, gridDim.x,
+      args.tuning.split_last_round, args.batch);
   // Pieces j < shared_pieces (all whole, one batch tile) multicast H; both
   // CTAs of a pair compute the same count.
   int shared_pieces = 0;
@@ -381,7 +379,7 @@ __global__ void __launch_bounds__(384, 1)
         // into the start of the stage's H buffer, where its narrower wgmma
         // reads: the split round's pieces are bound by their loads, and a
         // whole kBlockN-row box made them 0.73 of a whole piece's time
-        // instead of about half (timelines of llama B = 256, session 9).
+        // instead of about half (fs_bench --timeline, llama B = 256).
         const bool half = WorkSchedule<kBlockN>::kCanSplit && piece.half;
         const bool shared_h = kMulticastH && j < shared_pieces;
         const CUtensorMap* map_h =
@@ -467,11 +465,12 @@ __global__ void __launch_bounds__(384, 1)
     // then every earlier ring phase is complete and the parity waits below
     // cannot pass on a stale phase.
     if (j >= 1) ptx::NamedBarrier(kHandoffBarrier + consumer, 256);
-    // Profiling (FusedSampleParams::timeline): thread 0 of the consumer.
+    // Profiling (FusedTuning::timeline): thread 0 of the consumer.
+    const int timeline_pieces = args.tuning.timeline_pieces;
+    const int timeline_slot = (blockIdx.x * 2 + consumer) * timeline_pieces + j;
     uint64_t* timeline =
-        args.timeline != nullptr && j < args.timeline_pieces && thread == 0
-            ? args.timeline +
-                  ((blockIdx.x * 2 + consumer) * args.timeline_pieces + j) * 3
+        args.tuning.timeline != nullptr && j < timeline_pieces && thread == 0
+            ? args.tuning.timeline + timeline_slot * 3
             : nullptr;
     if (timeline != nullptr) timeline[0] = ptx::GlobalTimerNs();
     const uint32_t seq0 = static_cast<uint32_t>(j) * num_steps;
@@ -495,7 +494,7 @@ __global__ void __launch_bounds__(384, 1)
           num_steps, seq0, hand_off, lane, shared_h);
     }
     if (timeline != nullptr) timeline[1] = ptx::GlobalTimerNs();
-    const bool share = kShareLastEpilogue && args.share_last_epilogue;
+    const bool share = kShareLastEpilogue && args.tuning.share_last_epilogue;
     // This consumer's wgmmas are done for good: the other one, owner of
     // the CTA's last piece, may write into the ring (below).
     if (share && j == pieces - 2) {
@@ -573,7 +572,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (timeline != nullptr) timeline[2] = ptx::GlobalTimerNs();
   }
-  if (kShareLastEpilogue && args.share_last_epilogue &&
+  if (kShareLastEpilogue && args.tuning.share_last_epilogue &&
       consumer != (pieces - 1) % 2) {
     // The second half of the columns of the CTA's last piece, which the
     // other consumer owns, from the quads it staged.
@@ -651,7 +650,7 @@ cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
   const CUtensorMap* maps_h = static_cast<const CUtensorMap*>(tensor_map_h);
   const CUtensorMap& map_w = *static_cast<const CUtensorMap*>(tensor_map_w);
   if constexpr (kBlockN == 128) {
-    if (args.multicast_h && batch_tiles == 1 && ctas % 2 == 0) {
+    if (args.tuning.multicast_h && batch_tiles == 1 && ctas % 2 == 0) {
       auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, 2>;
       cudaError_t error = cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -700,7 +699,7 @@ struct WgmmaTileConfig {
       (192 * 1024) / ((kTileRows + kBlockN) * kBlockK * 2 * kHalves);
 };
 
-template <DTypeTag kDType, int kBlockN, int kHalves>
+template <DType kDType, int kBlockN, int kHalves>
 cudaError_t LaunchWgmma(const FusedArgs& args, const void* tensor_map_w,
                         const void* tensor_map_h, int grid,
                         cudaStream_t stream) {

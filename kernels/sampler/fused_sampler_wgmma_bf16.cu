@@ -6,30 +6,24 @@
 namespace flashsampler {
 namespace fused {
 
-template cudaError_t LaunchWgmma<DTypeTag::kBf16, 16, 1>(const FusedArgs&,
-                                                         const void*,
-                                                         const void*, int,
-                                                         cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kBf16, 16, 2>(const FusedArgs&,
-                                                         const void*,
-                                                         const void*, int,
-                                                         cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kBf16, 64, 1>(const FusedArgs&,
-                                                         const void*,
-                                                         const void*, int,
-                                                         cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kBf16, 64, 2>(const FusedArgs&,
-                                                         const void*,
-                                                         const void*, int,
-                                                         cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kBf16, 128, 1>(const FusedArgs&,
-                                                          const void*,
-                                                          const void*, int,
-                                                          cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kBf16, 128, 2>(const FusedArgs&,
-                                                          const void*,
-                                                          const void*, int,
-                                                          cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 16, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 16, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 64, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 64, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 128, 1>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 128, 2>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
 
 cudaError_t WgmmaKernelBinaryVersion(int* version) {
   cudaFuncAttributes attributes;

@@ -4,30 +4,24 @@
 namespace flashsampler {
 namespace fused {
 
-template cudaError_t LaunchWgmma<DTypeTag::kFp16, 16, 1>(const FusedArgs&,
-                                                         const void*,
-                                                         const void*, int,
-                                                         cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kFp16, 16, 2>(const FusedArgs&,
-                                                         const void*,
-                                                         const void*, int,
-                                                         cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kFp16, 64, 1>(const FusedArgs&,
-                                                         const void*,
-                                                         const void*, int,
-                                                         cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kFp16, 64, 2>(const FusedArgs&,
-                                                         const void*,
-                                                         const void*, int,
-                                                         cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kFp16, 128, 1>(const FusedArgs&,
-                                                          const void*,
-                                                          const void*, int,
-                                                          cudaStream_t);
-template cudaError_t LaunchWgmma<DTypeTag::kFp16, 128, 2>(const FusedArgs&,
-                                                          const void*,
-                                                          const void*, int,
-                                                          cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 16, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 16, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 64, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 64, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 128, 1>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 128, 2>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
 
 }  // namespace fused
 }  // namespace flashsampler

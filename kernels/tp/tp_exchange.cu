@@ -1,6 +1,7 @@
 // Tensor-parallel candidate exchange (see tp_exchange.h and
-// docs/perf/tp_design.md): NCCL 2.28 device-API plumbing (symmetric window,
-// LSA pointer, LSA barrier with a timeout) and the plain CUDA peer fallback.
+// docs/design.md#tensor-parallelism): NCCL 2.28 device-API plumbing (symmetric
+// window, LSA pointer, LSA barrier with a timeout) and the plain CUDA peer
+// fallback.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -85,7 +86,8 @@ __global__ void __launch_bounds__(kBarrierThreads)
   __threadfence_system();
   volatile int32_t* abort_flag = flags;
   // multimem=false: unicast inboxes only. NVLink multicast is never used
-  // (DESIGN.md); the constant folds the session's multimem branches away.
+  // (docs/design.md#tensor-parallelism); the constant folds the session's
+  // multimem branches away.
   ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), comm, ncclTeamLsa(comm),
                                          comm.lsaBarrier,
                                          /*index=*/0, /*multimem=*/false);

@@ -4,7 +4,7 @@
 // stage 2 runs on rank 0. One process drives all local GPUs. Two transports:
 // NCCL 2.28's device API (symmetric window + LSA pointer + LSA barrier with a
 // timeout) and plain CUDA peer access with cross-device events.
-// docs/perf/tp_design.md explains the calls, their order and why.
+// docs/design.md#tensor-parallelism explains the calls, their order and why.
 #ifndef FLASHSAMPLER_KERNELS_TP_TP_EXCHANGE_H_
 #define FLASHSAMPLER_KERNELS_TP_TP_EXCHANGE_H_
 
@@ -26,8 +26,9 @@ namespace flashsampler {
 
 // Sets NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1 and
 // TORCH_SYMM_MEM_DISABLE_MULTICAST=1 in this process's environment. NVLink
-// multicast can take a shared host's GPUs out of service (DESIGN.md), so every
-// main() that may start NCCL calls this before the first NCCL call.
+// multicast can take a shared host's GPUs out of service
+// (docs/design.md#tensor-parallelism), so every main() that may start NCCL
+// calls this before the first NCCL call.
 void DisableNvlinkMulticastEnv();
 
 // Outcome of a setup, teardown or NCCL host call. `message` is empty on

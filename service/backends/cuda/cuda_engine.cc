@@ -138,7 +138,6 @@ class CudaEngine final : public Engine {
   EngineInfo info_;
   std::vector<Rank> ranks_;
   std::vector<Slot> slots_;
-  KernelDType dtype_ = KernelDType::kBf16;
   size_t element_bytes_ = 2;
   size_t params_bytes_ = 0;  // row params region, 256-byte aligned
   // params region + (max_batch_rows + kHiddenPadRows) x D
@@ -201,8 +200,6 @@ absl::Status CudaEngine::Init() {
       }
     }
   }
-  dtype_ =
-      weights.dtype() == DType::kBf16 ? KernelDType::kBf16 : KernelDType::kFp16;
   element_bytes_ = DTypeSize(weights.dtype());
   const int64_t vocab = weights.vocab_size();
   const int64_t hidden = weights.hidden_size();
@@ -399,7 +396,8 @@ absl::Status CudaEngine::CreateExchangesOn(TpTransport transport) {
   std::vector<int> devices;
   for (const Rank& rank : ranks_) devices.push_back(rank.device);
   if (transport == TpTransport::kNcclDevice && tp_comms_ == nullptr) {
-    // Never NVLink multicast (DESIGN.md), also inside NCCL.
+    // Never NVLink multicast (docs/design.md#tensor-parallelism), also
+    // inside NCCL.
     DisableNvlinkMulticastEnv();
     const TpStatus status = TpComms::Create(devices, &tp_comms_);
     if (!status.ok()) {
@@ -455,7 +453,7 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
     params.hidden =
         input + params_bytes_ +
         static_cast<size_t>(first_row) * info_.hidden_size * element_bytes_;
-    params.dtype = dtype_;
+    params.dtype = weights_->dtype();
     params.vocab_rows = rank.rows;
     params.vocab_offset = rank.begin;
     params.hidden_size = static_cast<int>(info_.hidden_size);

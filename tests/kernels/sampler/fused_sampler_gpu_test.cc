@@ -1,9 +1,9 @@
 // GPU tests of the fused sampler kernels against slow, obviously correct
 // references: bit-exact logits and identical tokens on small-integer inputs
 // (CpuSampler), agreement with fp32 cuBLAS logits on random bf16 inputs,
-// chi-squared against the exact softmax, batch invariance (DESIGN.md rule 2)
-// for every tensor-core path and tile width, and the stage-2 tie-break.
-// Every test skips loudly without a GPU.
+// chi-squared against the exact softmax, batch invariance
+// (docs/design.md#invariance) for every tensor-core path and tile width, and
+// the stage-2 tie-break. Every test skips loudly without a GPU.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,8 +14,11 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "common/dtype.h"
 #include "common/dtype_convert.h"
 #include "gtest/gtest.h"
 #include "kernels/baselines/baselines.h"
@@ -40,7 +43,7 @@ struct Problem {
   int64_t vocab = 0;
   int hidden = 0;
   int rows = 0;
-  KernelDType dtype = KernelDType::kBf16;
+  DType dtype = DType::kBf16;
   std::shared_ptr<DeviceArray<uint16_t>> weights;
   std::unique_ptr<DeviceArray<uint16_t>> hidden_states;
   std::unique_ptr<DeviceArray<float>> inv_temperature;
@@ -48,145 +51,49 @@ struct Problem {
   std::unique_ptr<DeviceArray<uint64_t>> steps;
 };
 
+// The stage-1 parameters of one launch over rows [first_row, first_row +
+// batch) of `problem`, outputs unset (vocab_offset 0, one sample).
+FusedSampleParams LaunchParams(const Problem& problem, int first_row,
+                               int batch) {
+  FusedSampleParams params;
+  params.weights = problem.weights->get();
+  params.hidden = problem.hidden_states->get() +
+                  static_cast<size_t>(first_row) * problem.hidden;
+  params.dtype = problem.dtype;
+  params.vocab_rows = problem.vocab;
+  params.hidden_size = problem.hidden;
+  params.batch = batch;
+  params.inv_temperature = problem.inv_temperature->get() + first_row;
+  params.seeds = problem.seeds->get() + first_row;
+  params.steps = problem.steps->get() + first_row;
+  return params;
+}
+
 struct LaunchSpec {
   int first_row = 0;  // rows [first_row, first_row + batch) of the problem
   int batch = 1;
   int num_samples = 1;
   int64_t vocab_offset = 0;
-  FusedKernel kernel = FusedKernel::kAuto;
-  int block_n = 0;
-  int stage_k = 0;
-  bool split_last_round = true;
-  bool share_last_epilogue = true;
-  bool multicast_h = true;
+  FusedTuning tuning;            // path, block_n, stage depth, schedule
   int hidden_capacity_rows = 0;  // FusedSampleParams::hidden_capacity_rows
   bool want_logits = false;
 };
+
+// A spec on `path` at one kernel configuration (0s: the defaults).
+LaunchSpec SpecFor(FusedKernel path, int block_n = 0, int stage_k = 0) {
+  LaunchSpec spec;
+  spec.tuning.kernel = path;
+  spec.tuning.block_n = block_n;
+  spec.tuning.w_stage_k = stage_k;
+  return spec;
+}
 
 struct LaunchOutput {
   std::vector<int32_t> tokens;  // [batch][num_samples]
   std::vector<float> logits;    // [batch][vocab] when asked for
 };
 
-// Stage 1 + stage 2 over rows of `problem`, three ways: with candidates and
-// LaunchReduceCandidates (the tensor-parallel tile layout), with the
-// in-kernel stage 2 (token_ids), and with the shard's winners
-// (shard_winners, the tensor-parallel winner layout) reduced as one tile;
-// all must give the same tokens. Scratch is allocated per call (tests only:
-// the engine allocates once).
-::testing::AssertionResult RunFused(const Problem& problem,
-                                    const LaunchSpec& spec, LaunchOutput* out) {
-  const int64_t tiles = FusedSampleNumTiles(problem.vocab);
-  const size_t workspace_bytes =
-      FusedSampleWorkspaceSize(spec.batch, problem.vocab, problem.hidden);
-  DeviceArray<Candidate> candidates(tiles * spec.num_samples * spec.batch);
-  DeviceArray<int32_t> tokens(static_cast<size_t>(spec.num_samples) *
-                              spec.batch);
-  DeviceArray<int32_t> in_kernel_tokens(tokens.count());
-  DeviceArray<Candidate> winners(static_cast<size_t>(spec.num_samples) *
-                                 spec.batch);
-  DeviceArray<int32_t> winner_tokens(tokens.count());
-  DeviceArray<char> workspace(workspace_bytes);
-  DeviceArray<float> logits(spec.want_logits ? problem.vocab * spec.batch : 1);
-  if (!candidates.ok() || !tokens.ok() || !logits.ok() ||
-      !in_kernel_tokens.ok() || !winners.ok() || !winner_tokens.ok() ||
-      !workspace.ok() ||
-      cudaMemset(workspace.get(), 0, workspace_bytes) != cudaSuccess) {
-    return ::testing::AssertionFailure() << "cudaMalloc failed";
-  }
-  FusedSampleParams params;
-  params.weights = problem.weights->get();
-  params.hidden = problem.hidden_states->get() +
-                  static_cast<size_t>(spec.first_row) * problem.hidden;
-  params.dtype = problem.dtype;
-  params.vocab_rows = problem.vocab;
-  params.vocab_offset = spec.vocab_offset;
-  params.hidden_size = problem.hidden;
-  params.batch = spec.batch;
-  params.num_samples = spec.num_samples;
-  params.inv_temperature = problem.inv_temperature->get() + spec.first_row;
-  params.seeds = problem.seeds->get() + spec.first_row;
-  params.steps = problem.steps->get() + spec.first_row;
-  params.candidates = candidates.get();
-  params.logits_out = spec.want_logits ? logits.get() : nullptr;
-  params.kernel = spec.kernel;
-  params.block_n = spec.block_n;
-  params.w_stage_k = spec.stage_k;
-  params.split_last_round = spec.split_last_round;
-  params.share_last_epilogue = spec.share_last_epilogue;
-  params.multicast_h = spec.multicast_h;
-  params.hidden_capacity_rows = spec.hidden_capacity_rows;
-  cudaError_t error = LaunchFusedSample(params, nullptr, 0, nullptr);
-  if (error != cudaSuccess) {
-    return ::testing::AssertionFailure()
-           << "LaunchFusedSample: " << cudaGetErrorString(error);
-  }
-  error = LaunchReduceCandidates(candidates.get(), tiles, spec.num_samples,
-                                 spec.batch, tokens.get(), nullptr, nullptr);
-  if (error != cudaSuccess) {
-    return ::testing::AssertionFailure()
-           << "LaunchReduceCandidates: " << cudaGetErrorString(error);
-  }
-  FusedSampleParams in_kernel = params;
-  in_kernel.candidates = nullptr;
-  in_kernel.logits_out = nullptr;
-  in_kernel.token_ids = in_kernel_tokens.get();
-  // Twice: the first launch must leave the workspace zeroed for the second.
-  for (int repeat = 0; repeat < 2; ++repeat) {
-    error =
-        LaunchFusedSample(in_kernel, workspace.get(), workspace_bytes, nullptr);
-    if (error != cudaSuccess) {
-      return ::testing::AssertionFailure()
-             << "LaunchFusedSample (in-kernel stage 2): "
-             << cudaGetErrorString(error);
-    }
-  }
-  FusedSampleParams shard = in_kernel;
-  shard.token_ids = nullptr;
-  shard.shard_winners = winners.get();
-  error = LaunchFusedSample(shard, workspace.get(), workspace_bytes, nullptr);
-  if (error != cudaSuccess) {
-    return ::testing::AssertionFailure()
-           << "LaunchFusedSample (shard winners): "
-           << cudaGetErrorString(error);
-  }
-  error = LaunchReduceCandidates(winners.get(), 1, spec.num_samples, spec.batch,
-                                 winner_tokens.get(), nullptr, nullptr);
-  if (error != cudaSuccess) {
-    return ::testing::AssertionFailure()
-           << "LaunchReduceCandidates (shard winners): "
-           << cudaGetErrorString(error);
-  }
-  error = cudaDeviceSynchronize();
-  if (error != cudaSuccess) {
-    return ::testing::AssertionFailure()
-           << "kernel failed: " << cudaGetErrorString(error);
-  }
-  std::vector<int32_t> in_kernel_result;
-  std::vector<int32_t> winner_result;
-  if (tokens.Download(&out->tokens, tokens.count()) != cudaSuccess ||
-      in_kernel_tokens.Download(&in_kernel_result, tokens.count()) !=
-          cudaSuccess ||
-      winner_tokens.Download(&winner_result, tokens.count()) != cudaSuccess ||
-      (spec.want_logits &&
-       logits.Download(&out->logits, problem.vocab * spec.batch) !=
-           cudaSuccess)) {
-    return ::testing::AssertionFailure() << "download failed";
-  }
-  if (in_kernel_result != out->tokens) {
-    return ::testing::AssertionFailure()
-           << "the in-kernel stage 2 gave other tokens than "
-              "LaunchReduceCandidates";
-  }
-  if (winner_result != out->tokens) {
-    return ::testing::AssertionFailure()
-           << "the shard's winners gave other tokens than its tiles' "
-              "candidates";
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// The first `batch` rows of a RunFused output (with want_logits) against
+// The first `batch` rows of a Run output (with want_logits) against
 // small-integer products: logits bit for bit against `reference` ([rows]
 // [vocab]), and every token against ReferenceSample, the same noise on
 // those logits.
@@ -217,49 +124,13 @@ struct LaunchOutput {
 }
 
 std::vector<uint16_t> ToHalfBits(const std::vector<float>& values,
-                                 KernelDType dtype) {
+                                 DType dtype) {
   std::vector<uint16_t> bits(values.size());
   for (size_t i = 0; i < values.size(); ++i) {
-    bits[i] = dtype == KernelDType::kBf16 ? FloatToBf16(values[i])
-                                          : FloatToHalf(values[i]);
+    bits[i] =
+        dtype == DType::kBf16 ? FloatToBf16(values[i]) : FloatToHalf(values[i]);
   }
   return bits;
-}
-
-// Uploads host W (unless `shared_weights` already holds it), hidden rows
-// and controls into a Problem.
-::testing::AssertionResult MakeProblem(
-    const std::vector<float>& weights, const std::vector<float>& hidden,
-    int64_t vocab, int hidden_size, KernelDType dtype,
-    const std::vector<float>& inv_temperature,
-    const std::vector<uint64_t>& seeds, const std::vector<uint64_t>& steps,
-    Problem* problem,
-    std::shared_ptr<DeviceArray<uint16_t>> shared_weights = nullptr) {
-  problem->vocab = vocab;
-  problem->hidden = hidden_size;
-  problem->rows = static_cast<int>(inv_temperature.size());
-  problem->dtype = dtype;
-  problem->weights = shared_weights;
-  problem->hidden_states =
-      std::make_unique<DeviceArray<uint16_t>>(hidden.size());
-  problem->inv_temperature =
-      std::make_unique<DeviceArray<float>>(inv_temperature.size());
-  problem->seeds = std::make_unique<DeviceArray<uint64_t>>(seeds.size());
-  problem->steps = std::make_unique<DeviceArray<uint64_t>>(steps.size());
-  if (problem->weights == nullptr) {
-    problem->weights = std::make_shared<DeviceArray<uint16_t>>(weights.size());
-    if (problem->weights->Upload(ToHalfBits(weights, dtype)) != cudaSuccess) {
-      return ::testing::AssertionFailure() << "upload of W failed";
-    }
-  }
-  if (problem->hidden_states->Upload(ToHalfBits(hidden, dtype)) !=
-          cudaSuccess ||
-      problem->inv_temperature->Upload(inv_temperature) != cudaSuccess ||
-      problem->seeds->Upload(seeds) != cudaSuccess ||
-      problem->steps->Upload(steps) != cudaSuccess) {
-    return ::testing::AssertionFailure() << "upload failed";
-  }
-  return ::testing::AssertionSuccess();
 }
 
 std::vector<float> SmallIntegers(size_t count, int magnitude,
@@ -285,11 +156,192 @@ void MakeControls(int rows, uint64_t salt, std::vector<float>* inv_t,
   }
 }
 
+// The fixture of every fused-kernel test: skips loudly without a GPU, and
+// holds the steps the tests share: Upload a problem, Run it every way, and
+// the ExactLogits of small-integer inputs.
+class FusedSamplerGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override { FS_SKIP_WITHOUT_GPU(); }
+
+  // Uploads host W (unless `shared_weights` already holds it), hidden rows
+  // and controls into a Problem.
+  static ::testing::AssertionResult Upload(
+      const std::vector<float>& weights, const std::vector<float>& hidden,
+      int64_t vocab, int hidden_size, DType dtype,
+      const std::vector<float>& inv_temperature,
+      const std::vector<uint64_t>& seeds, const std::vector<uint64_t>& steps,
+      Problem* problem,
+      std::shared_ptr<DeviceArray<uint16_t>> shared_weights = nullptr) {
+    problem->vocab = vocab;
+    problem->hidden = hidden_size;
+    problem->rows = static_cast<int>(inv_temperature.size());
+    problem->dtype = dtype;
+    problem->weights = shared_weights;
+    problem->hidden_states =
+        std::make_unique<DeviceArray<uint16_t>>(hidden.size());
+    problem->inv_temperature =
+        std::make_unique<DeviceArray<float>>(inv_temperature.size());
+    problem->seeds = std::make_unique<DeviceArray<uint64_t>>(seeds.size());
+    problem->steps = std::make_unique<DeviceArray<uint64_t>>(steps.size());
+    if (problem->weights == nullptr) {
+      problem->weights =
+          std::make_shared<DeviceArray<uint16_t>>(weights.size());
+      if (problem->weights->Upload(ToHalfBits(weights, dtype)) != cudaSuccess) {
+        return ::testing::AssertionFailure() << "upload of W failed";
+      }
+    }
+    if (problem->hidden_states->Upload(ToHalfBits(hidden, dtype)) !=
+            cudaSuccess ||
+        problem->inv_temperature->Upload(inv_temperature) != cudaSuccess ||
+        problem->seeds->Upload(seeds) != cudaSuccess ||
+        problem->steps->Upload(steps) != cudaSuccess) {
+      return ::testing::AssertionFailure() << "upload failed";
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  // Stage 1 + stage 2 over rows of `problem`, three ways: with candidates and
+  // LaunchReduceCandidates (the tensor-parallel tile layout), with the
+  // in-kernel stage 2 (token_ids), and with the shard's winners
+  // (shard_winners, the tensor-parallel winner layout) reduced as one tile;
+  // all must give the same tokens. Scratch is allocated per call (tests only:
+  // the engine allocates once).
+  static ::testing::AssertionResult Run(const Problem& problem,
+                                        const LaunchSpec& spec,
+                                        LaunchOutput* out) {
+    const int64_t tiles = FusedSampleNumTiles(problem.vocab);
+    const size_t workspace_bytes =
+        FusedSampleWorkspaceSize(spec.batch, problem.vocab, problem.hidden);
+    DeviceArray<Candidate> candidates(tiles * spec.num_samples * spec.batch);
+    DeviceArray<int32_t> tokens(static_cast<size_t>(spec.num_samples) *
+                                spec.batch);
+    DeviceArray<int32_t> in_kernel_tokens(tokens.count());
+    DeviceArray<Candidate> winners(static_cast<size_t>(spec.num_samples) *
+                                   spec.batch);
+    DeviceArray<int32_t> winner_tokens(tokens.count());
+    DeviceArray<char> workspace(workspace_bytes);
+    DeviceArray<float> logits(spec.want_logits ? problem.vocab * spec.batch
+                                               : 1);
+    if (!candidates.ok() || !tokens.ok() || !logits.ok() ||
+        !in_kernel_tokens.ok() || !winners.ok() || !winner_tokens.ok() ||
+        !workspace.ok() ||
+        cudaMemset(workspace.get(), 0, workspace_bytes) != cudaSuccess) {
+      return ::testing::AssertionFailure() << "cudaMalloc failed";
+    }
+    FusedSampleParams params =
+        LaunchParams(problem, spec.first_row, spec.batch);
+    params.vocab_offset = spec.vocab_offset;
+    params.num_samples = spec.num_samples;
+    params.candidates = candidates.get();
+    params.logits_out = spec.want_logits ? logits.get() : nullptr;
+    params.tuning = spec.tuning;
+    params.hidden_capacity_rows = spec.hidden_capacity_rows;
+    cudaError_t error = LaunchFusedSample(params, nullptr, 0, nullptr);
+    if (error != cudaSuccess) {
+      return ::testing::AssertionFailure()
+             << "LaunchFusedSample: " << cudaGetErrorString(error);
+    }
+    error = LaunchReduceCandidates(candidates.get(), tiles, spec.num_samples,
+                                   spec.batch, tokens.get(), nullptr, nullptr);
+    if (error != cudaSuccess) {
+      return ::testing::AssertionFailure()
+             << "LaunchReduceCandidates: " << cudaGetErrorString(error);
+    }
+    FusedSampleParams in_kernel = params;
+    in_kernel.candidates = nullptr;
+    in_kernel.logits_out = nullptr;
+    in_kernel.token_ids = in_kernel_tokens.get();
+    // Twice: the first launch must leave the workspace zeroed for the second.
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      error = LaunchFusedSample(in_kernel, workspace.get(), workspace_bytes,
+                                nullptr);
+      if (error != cudaSuccess) {
+        return ::testing::AssertionFailure()
+               << "LaunchFusedSample (in-kernel stage 2): "
+               << cudaGetErrorString(error);
+      }
+    }
+    FusedSampleParams shard = in_kernel;
+    shard.token_ids = nullptr;
+    shard.shard_winners = winners.get();
+    error = LaunchFusedSample(shard, workspace.get(), workspace_bytes, nullptr);
+    if (error != cudaSuccess) {
+      return ::testing::AssertionFailure()
+             << "LaunchFusedSample (shard winners): "
+             << cudaGetErrorString(error);
+    }
+    error =
+        LaunchReduceCandidates(winners.get(), 1, spec.num_samples, spec.batch,
+                               winner_tokens.get(), nullptr, nullptr);
+    if (error != cudaSuccess) {
+      return ::testing::AssertionFailure()
+             << "LaunchReduceCandidates (shard winners): "
+             << cudaGetErrorString(error);
+    }
+    error = cudaDeviceSynchronize();
+    if (error != cudaSuccess) {
+      return ::testing::AssertionFailure()
+             << "kernel failed: " << cudaGetErrorString(error);
+    }
+    std::vector<int32_t> in_kernel_result;
+    std::vector<int32_t> winner_result;
+    if (tokens.Download(&out->tokens, tokens.count()) != cudaSuccess ||
+        in_kernel_tokens.Download(&in_kernel_result, tokens.count()) !=
+            cudaSuccess ||
+        winner_tokens.Download(&winner_result, tokens.count()) != cudaSuccess ||
+        (spec.want_logits &&
+         logits.Download(&out->logits, problem.vocab * spec.batch) !=
+             cudaSuccess)) {
+      return ::testing::AssertionFailure() << "download failed";
+    }
+    if (in_kernel_result != out->tokens) {
+      return ::testing::AssertionFailure()
+             << "the in-kernel stage 2 gave other tokens than "
+                "LaunchReduceCandidates";
+    }
+    if (winner_result != out->tokens) {
+      return ::testing::AssertionFailure()
+             << "the shard's winners gave other tokens than its tiles' "
+                "candidates";
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  // Exact logits [rows][vocab] of small-integer W and hidden rows (every
+  // partial sum exact in fp32), from the CPU sampler.
+  static ::testing::AssertionResult ExactLogits(
+      const std::vector<float>& weights, const std::vector<float>& hidden,
+      int64_t vocab, int hidden_size, int rows, std::vector<float>* logits) {
+    auto sampler =
+        CpuSampler::Create(std::make_shared<const std::vector<float>>(weights),
+                           vocab, hidden_size, CpuSamplerOptions());
+    if (!sampler.ok()) {
+      return ::testing::AssertionFailure() << sampler.status();
+    }
+    logits->resize(static_cast<size_t>(rows) * vocab);
+    const absl::Status status =
+        (*sampler)->ComputeLogits(hidden.data(), rows, logits->data());
+    if (!status.ok()) return ::testing::AssertionFailure() << status;
+    return ::testing::AssertionSuccess();
+  }
+};
+
+// The wgmma path's own schedules: skipped (loudly) where it does not run.
+class FusedSamplerWgmmaGpuTest : public FusedSamplerGpuTest {
+ protected:
+  void SetUp() override {
+    FusedSamplerGpuTest::SetUp();
+    if (IsSkipped()) return;
+    if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
+      GTEST_SKIP() << "a wgmma-path schedule; no sm_90a here";
+    }
+  }
+};
+
 // The epilogue's branch-free noise must be philox.h's bit for bit over its
 // whole domain (all 2^23 uniforms, as a token's and as a block's), or GPU
 // and CPU samples differ.
-TEST(FusedSamplerGpuTest, BranchFreeNoiseEqualsTheReferenceForAllUniforms) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(FusedSamplerGpuTest, BranchFreeNoiseEqualsTheReferenceForAllUniforms) {
   DeviceArray<unsigned int> mismatches(1);
   ASSERT_TRUE(mismatches.ok());
   FS_ASSERT_CUDA(LaunchNoiseSelfCheck(mismatches.get(), nullptr));
@@ -302,8 +354,7 @@ TEST(FusedSamplerGpuTest, BranchFreeNoiseEqualsTheReferenceForAllUniforms) {
 // contains the exact score, for every uniform: the word bounds, PruneBounds
 // and the block bounds (the uppers are what the launch's floor is compared
 // with).
-TEST(FusedSamplerGpuTest, PruningBracketsContainTheExactScoreForAllUniforms) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(FusedSamplerGpuTest, PruningBracketsContainTheExactScoreForAllUniforms) {
   DeviceArray<unsigned int> violations(kNoiseBracketCount);
   ASSERT_TRUE(violations.ok());
   FS_ASSERT_CUDA(LaunchNoiseBracketCheck(violations.get(), nullptr));
@@ -321,8 +372,15 @@ TEST(FusedSamplerGpuTest, PruningBracketsContainTheExactScoreForAllUniforms) {
       << "BlockUpperBound, other slot";
 }
 
-TEST(FusedSamplerGpuTest, SmallIntegerLogitsMatchCpuReferenceBitForBit) {
-  FS_SKIP_WITHOUT_GPU();
+// Small-integer logits, exact in fp32, per operand dtype and batch size:
+// every path, tile width and stage depth.
+class FusedSamplerExactTest
+    : public FusedSamplerGpuTest,
+      public ::testing::WithParamInterface<std::tuple<DType, int>> {};
+
+TEST_P(FusedSamplerExactTest, SmallIntegerLogitsMatchCpuReferenceBitForBit) {
+  const DType dtype = std::get<0>(GetParam());
+  const int batch = std::get<1>(GetParam());
   // |logit| <= 3 * 2 * 512 < 2^24: every partial sum is exact in fp32, so
   // any accumulation order gives the same bits.
   constexpr int64_t kVocab = 1001;  // a ragged last tile
@@ -337,13 +395,8 @@ TEST(FusedSamplerGpuTest, SmallIntegerLogitsMatchCpuReferenceBitForBit) {
   std::vector<uint64_t> steps;
   MakeControls(kRows, 1, &inv_t, &seeds, &steps);
 
-  auto sampler =
-      CpuSampler::Create(std::make_shared<const std::vector<float>>(weights),
-                         kVocab, kHidden, CpuSamplerOptions());
-  ASSERT_TRUE(sampler.ok()) << sampler.status();
-  std::vector<float> reference(static_cast<size_t>(kRows) * kVocab);
-  ASSERT_TRUE(
-      (*sampler)->ComputeLogits(hidden.data(), kRows, reference.data()).ok());
+  std::vector<float> reference;
+  ASSERT_TRUE(ExactLogits(weights, hidden, kVocab, kHidden, kRows, &reference));
 
   // Expected tokens for each vocab_offset (the shard's first global id; 6
   // exercises the unaligned noise path, 48 the wgmma epilogue's own block
@@ -362,58 +415,58 @@ TEST(FusedSamplerGpuTest, SmallIntegerLogitsMatchCpuReferenceBitForBit) {
     }
   }
 
-  for (KernelDType dtype : {KernelDType::kBf16, KernelDType::kFp16}) {
-    Problem problem;
-    ASSERT_TRUE(MakeProblem(weights, hidden, kVocab, kHidden, dtype, inv_t,
-                            seeds, steps, &problem));
-    for (FusedKernel path : AvailablePaths()) {
-      for (const KernelConfig& config : ConfigsOf(path)) {
-        for (int batch : {1, 3, 64, 200}) {
-          for (int o = 0; o < kOffsets; ++o) {
-            SCOPED_TRACE(::testing::Message()
-                         << PathName(path) << " block_n=" << config.block_n
-                         << " stage_k=" << config.stage_k << " batch=" << batch
-                         << " offset=" << offsets[o]
-                         << (dtype == KernelDType::kBf16 ? " bf16" : " fp16"));
-            LaunchSpec spec;
-            spec.batch = batch;
-            spec.num_samples = kSamples;
-            spec.vocab_offset = offsets[o];
-            spec.kernel = path;
-            spec.block_n = config.block_n;
-            spec.stage_k = config.stage_k;
-            spec.want_logits = true;
-            LaunchOutput out;
-            ASSERT_TRUE(RunFused(problem, spec, &out));
-            int logit_mismatches = 0;
-            for (int64_t i = 0; i < batch * kVocab; ++i) {
-              uint32_t got;
-              uint32_t want;
-              std::memcpy(&got, &out.logits[i], 4);
-              std::memcpy(&want, &reference[i], 4);
-              if (got != want && logit_mismatches++ == 0) {
-                ADD_FAILURE() << "first logit mismatch at row " << i / kVocab
-                              << " token " << i % kVocab << ": "
-                              << out.logits[i] << " vs " << reference[i];
-              }
-            }
-            EXPECT_EQ(logit_mismatches, 0);
-            for (int i = 0; i < batch * kSamples; ++i) {
-              ASSERT_EQ(out.tokens[i], expected[o][i])
-                  << "row " << i / kSamples << " sample " << i % kSamples;
-            }
+  Problem problem;
+  ASSERT_TRUE(Upload(weights, hidden, kVocab, kHidden, dtype, inv_t, seeds,
+                     steps, &problem));
+  for (FusedKernel path : AvailablePaths()) {
+    for (const KernelConfig& config : ConfigsOf(path)) {
+      for (int o = 0; o < kOffsets; ++o) {
+        SCOPED_TRACE(::testing::Message()
+                     << PathName(path) << " block_n=" << config.block_n
+                     << " stage_k=" << config.stage_k << " batch=" << batch
+                     << " offset=" << offsets[o] << " " << DTypeName(dtype));
+        LaunchSpec spec = SpecFor(path, config.block_n, config.stage_k);
+        spec.batch = batch;
+        spec.num_samples = kSamples;
+        spec.vocab_offset = offsets[o];
+        spec.want_logits = true;
+        LaunchOutput out;
+        ASSERT_TRUE(Run(problem, spec, &out));
+        int logit_mismatches = 0;
+        for (int64_t i = 0; i < batch * kVocab; ++i) {
+          uint32_t got;
+          uint32_t want;
+          std::memcpy(&got, &out.logits[i], 4);
+          std::memcpy(&want, &reference[i], 4);
+          if (got != want && logit_mismatches++ == 0) {
+            ADD_FAILURE() << "first logit mismatch at row " << i / kVocab
+                          << " token " << i % kVocab << ": " << out.logits[i]
+                          << " vs " << reference[i];
           }
+        }
+        EXPECT_EQ(logit_mismatches, 0);
+        for (int i = 0; i < batch * kSamples; ++i) {
+          ASSERT_EQ(out.tokens[i], expected[o][i])
+              << "row " << i / kSamples << " sample " << i % kSamples;
         }
       }
     }
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(
+    DTypeAndBatch, FusedSamplerExactTest,
+    ::testing::Combine(::testing::Values(DType::kBf16, DType::kFp16),
+                       ::testing::Values(1, 3, 64, 200)),
+    [](const ::testing::TestParamInfo<std::tuple<DType, int>>& info) {
+      return std::string(DTypeName(std::get<0>(info.param))) + "_B" +
+             std::to_string(std::get<1>(info.param));
+    });
+
 // The small case tools/device/run.sh runs under compute-sanitizer
 // (memcheck, racecheck): every path and tile width once, a ragged last vocab
 // tile, a partial batch tile, two samples, the unaligned-noise offset.
-TEST(FusedSamplerGpuTest, SanitizerSmallCase) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(FusedSamplerGpuTest, SanitizerSmallCase) {
   constexpr int64_t kVocab = 1001;
   constexpr int kHidden = 128;
   constexpr int kRows = 70;
@@ -437,21 +490,18 @@ TEST(FusedSamplerGpuTest, SanitizerSmallCase) {
     }
   }
   Problem problem;
-  ASSERT_TRUE(MakeProblem(weights, hidden, kVocab, kHidden, KernelDType::kBf16,
-                          inv_t, seeds, steps, &problem));
+  ASSERT_TRUE(Upload(weights, hidden, kVocab, kHidden, DType::kBf16, inv_t,
+                     seeds, steps, &problem));
   for (FusedKernel path : AvailablePaths()) {
     for (const KernelConfig& config : ConfigsOf(path)) {
       const int block_n = config.block_n;
-      LaunchSpec spec;
+      LaunchSpec spec = SpecFor(path, block_n, config.stage_k);
       spec.batch = kRows;
       spec.num_samples = kSamples;
       spec.vocab_offset = kOffset;
-      spec.kernel = path;
-      spec.block_n = block_n;
-      spec.stage_k = config.stage_k;
       spec.want_logits = true;
       LaunchOutput out;
-      ASSERT_TRUE(RunFused(problem, spec, &out));
+      ASSERT_TRUE(Run(problem, spec, &out));
       ASSERT_EQ(out.logits, logits) << PathName(path) << " " << block_n;
       for (int r = 0; r < kRows; ++r) {
         for (int s = 0; s < kSamples; ++s) {
@@ -478,11 +528,7 @@ TEST(FusedSamplerGpuTest, SanitizerSmallCase) {
 // are not, a last piece whose peer has none (no split: 3 items), and at
 // B = 17 a second half of H wholly past the batch; with multicast off as
 // the control. Small enough for compute-sanitizer.
-TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
-  FS_SKIP_WITHOUT_GPU();
-  if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
-    GTEST_SKIP() << "the split is a wgmma-path schedule; no sm_90a here";
-  }
+TEST_F(FusedSamplerWgmmaGpuTest, SplitLastRoundIsExact) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0),
             cudaSuccess);
@@ -498,16 +544,11 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
   std::vector<uint64_t> seeds;
   std::vector<uint64_t> steps;
   MakeControls(kRows, 6, &inv_t, &seeds, &steps);
-  auto sampler =
-      CpuSampler::Create(std::make_shared<const std::vector<float>>(weights),
-                         vocab, kHidden, CpuSamplerOptions());
-  ASSERT_TRUE(sampler.ok()) << sampler.status();
-  std::vector<float> reference(static_cast<size_t>(kRows) * vocab);
-  ASSERT_TRUE(
-      (*sampler)->ComputeLogits(hidden.data(), kRows, reference.data()).ok());
+  std::vector<float> reference;
+  ASSERT_TRUE(ExactLogits(weights, hidden, vocab, kHidden, kRows, &reference));
   Problem problem;
-  ASSERT_TRUE(MakeProblem(weights, hidden, vocab, kHidden, KernelDType::kBf16,
-                          inv_t, seeds, steps, &problem));
+  ASSERT_TRUE(Upload(weights, hidden, vocab, kHidden, DType::kBf16, inv_t,
+                     seeds, steps, &problem));
   struct Schedule {
     bool split;
     bool share;
@@ -522,18 +563,16 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
                    << "batch " << batch << " split " << schedule.split
                    << " share " << schedule.share << " multicast "
                    << schedule.multicast << " SMs " << sms);
-      LaunchSpec spec;
+      LaunchSpec spec = SpecFor(FusedKernel::kWgmma, 128);
       spec.batch = batch;
       spec.num_samples = kSamples;
       spec.vocab_offset = kOffset;
-      spec.kernel = FusedKernel::kWgmma;
-      spec.block_n = 128;
-      spec.split_last_round = schedule.split;
-      spec.share_last_epilogue = schedule.share;
-      spec.multicast_h = schedule.multicast;
+      spec.tuning.split_last_round = schedule.split;
+      spec.tuning.share_last_epilogue = schedule.share;
+      spec.tuning.multicast_h = schedule.multicast;
       spec.want_logits = true;
       LaunchOutput out;
-      ASSERT_TRUE(RunFused(problem, spec, &out));
+      ASSERT_TRUE(Run(problem, spec, &out));
       ASSERT_TRUE(MatchesExactReference(out, reference, vocab, kOffset, batch,
                                         kSamples, inv_t, seeds, steps));
     }
@@ -546,12 +585,7 @@ TEST(FusedSamplerGpuTest, SplitLastRoundIsExact) {
 // (B = 200 at every width, B = 136 at 128) would show any leak into a batch
 // column's logits; batches at every tile width, with one batch tile and
 // with several, logits bit for bit and tokens exact.
-TEST(FusedSamplerGpuTest, HiddenRowsPastTheBatchChangeNoBit) {
-  FS_SKIP_WITHOUT_GPU();
-  if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
-    GTEST_SKIP() << "hidden_capacity_rows shapes the wgmma path's TMA map; "
-                    "no sm_90a here";
-  }
+TEST_F(FusedSamplerWgmmaGpuTest, HiddenRowsPastTheBatchChangeNoBit) {
   constexpr int64_t kVocab = 3 * 128 + 56;
   constexpr int kHidden = 128;
   constexpr int kRows = 256;
@@ -566,44 +600,33 @@ TEST(FusedSamplerGpuTest, HiddenRowsPastTheBatchChangeNoBit) {
   std::vector<uint64_t> seeds;
   std::vector<uint64_t> steps;
   MakeControls(kRows, 4, &inv_t, &seeds, &steps);
-  auto sampler =
-      CpuSampler::Create(std::make_shared<const std::vector<float>>(weights),
-                         kVocab, kHidden, CpuSamplerOptions());
-  ASSERT_TRUE(sampler.ok()) << sampler.status();
-  std::vector<float> reference(static_cast<size_t>(kFiniteRows) * kVocab);
-  ASSERT_TRUE((*sampler)
-                  ->ComputeLogits(hidden.data(), kFiniteRows, reference.data())
-                  .ok());
+  std::vector<float> reference;
+  ASSERT_TRUE(
+      ExactLogits(weights, hidden, kVocab, kHidden, kFiniteRows, &reference));
   Problem problem;
-  ASSERT_TRUE(MakeProblem(weights, hidden, kVocab, kHidden, KernelDType::kBf16,
-                          inv_t, seeds, steps, &problem));
+  ASSERT_TRUE(Upload(weights, hidden, kVocab, kHidden, DType::kBf16, inv_t,
+                     seeds, steps, &problem));
   for (int block_n : {0, 16, 64, 128}) {
     for (int batch : {1, 17, 100, 136, 200}) {
       SCOPED_TRACE(::testing::Message()
                    << "block_n " << block_n << " batch " << batch);
-      LaunchSpec spec;
+      LaunchSpec spec = SpecFor(FusedKernel::kWgmma, block_n);
       spec.batch = batch;
       spec.num_samples = kSamples;
-      spec.kernel = FusedKernel::kWgmma;
-      spec.block_n = block_n;
       spec.hidden_capacity_rows = kRows;
       spec.want_logits = true;
       LaunchOutput out;
-      ASSERT_TRUE(RunFused(problem, spec, &out));
+      ASSERT_TRUE(Run(problem, spec, &out));
       ASSERT_TRUE(MatchesExactReference(out, reference, kVocab, 0, batch,
                                         kSamples, inv_t, seeds, steps));
     }
   }
 }
 
-// FusedSampleParams::timeline (fs_bench --timeline): every piece of the
+// FusedTuning::timeline (fs_bench --timeline): every piece of the
 // persistent schedule is recorded once, by the consumer that owns it, with
 // ordered stamps, and recording changes no token.
-TEST(FusedSamplerGpuTest, TimelineRecordsEveryPieceAndChangesNoToken) {
-  FS_SKIP_WITHOUT_GPU();
-  if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
-    GTEST_SKIP() << "the timeline is recorded by the wgmma path; no sm_90a";
-  }
+TEST_F(FusedSamplerWgmmaGpuTest, TimelineRecordsEveryPieceAndChangesNoToken) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0),
             cudaSuccess);
@@ -621,8 +644,8 @@ TEST(FusedSamplerGpuTest, TimelineRecordsEveryPieceAndChangesNoToken) {
   std::vector<uint64_t> steps;
   MakeControls(kRows, 8, &inv_t, &seeds, &steps);
   Problem problem;
-  ASSERT_TRUE(MakeProblem(weights, hidden, vocab, kHidden, KernelDType::kBf16,
-                          inv_t, seeds, steps, &problem));
+  ASSERT_TRUE(Upload(weights, hidden, vocab, kHidden, DType::kBf16, inv_t,
+                     seeds, steps, &problem));
   const size_t workspace_bytes =
       FusedSampleWorkspaceSize(kRows, vocab, kHidden);
   DeviceArray<char> workspace(workspace_bytes);
@@ -633,26 +656,18 @@ TEST(FusedSamplerGpuTest, TimelineRecordsEveryPieceAndChangesNoToken) {
   ASSERT_EQ(cudaMemset(workspace.get(), 0, workspace_bytes), cudaSuccess);
   ASSERT_EQ(cudaMemset(timeline.get(), 0, stamps * sizeof(uint64_t)),
             cudaSuccess);
-  FusedSampleParams params;
-  params.weights = problem.weights->get();
-  params.hidden = problem.hidden_states->get();
-  params.vocab_rows = vocab;
-  params.hidden_size = kHidden;
-  params.batch = kRows;
-  params.inv_temperature = problem.inv_temperature->get();
-  params.seeds = problem.seeds->get();
-  params.steps = problem.steps->get();
+  FusedSampleParams params = LaunchParams(problem, 0, kRows);
   params.token_ids = tokens.get();
-  params.kernel = FusedKernel::kWgmma;
-  params.block_n = 64;
+  params.tuning.kernel = FusedKernel::kWgmma;
+  params.tuning.block_n = 64;
   std::vector<int32_t> plain;
   std::vector<int32_t> recorded;
   ASSERT_EQ(
       LaunchFusedSample(params, workspace.get(), workspace_bytes, nullptr),
       cudaSuccess);
   ASSERT_EQ(tokens.Download(&plain, kRows), cudaSuccess);
-  params.timeline = timeline.get();
-  params.timeline_pieces = kPieces;
+  params.tuning.timeline = timeline.get();
+  params.tuning.timeline_pieces = kPieces;
   ASSERT_EQ(
       LaunchFusedSample(params, workspace.get(), workspace_bytes, nullptr),
       cudaSuccess);
@@ -674,8 +689,7 @@ TEST(FusedSamplerGpuTest, TimelineRecordsEveryPieceAndChangesNoToken) {
   EXPECT_EQ(pieces, items);
 }
 
-TEST(FusedSamplerGpuTest, GreedyTiesGoToTheLowestGlobalId) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(FusedSamplerGpuTest, GreedyTiesGoToTheLowestGlobalId) {
   constexpr int64_t kVocab = 300;
   constexpr int kHidden = 64;
   const std::vector<float> weights(kVocab * kHidden, 1.0f);  // equal logits
@@ -684,20 +698,17 @@ TEST(FusedSamplerGpuTest, GreedyTiesGoToTheLowestGlobalId) {
   const std::vector<uint64_t> seeds = {1, 2, 3, 4};
   const std::vector<uint64_t> steps = {0, 0, 0, 0};
   Problem problem;
-  ASSERT_TRUE(MakeProblem(weights, hidden, kVocab, kHidden, KernelDType::kBf16,
-                          inv_t, seeds, steps, &problem));
+  ASSERT_TRUE(Upload(weights, hidden, kVocab, kHidden, DType::kBf16, inv_t,
+                     seeds, steps, &problem));
   for (FusedKernel path : AvailablePaths()) {
     for (const KernelConfig& config : ConfigsOf(path)) {
       const int block_n = config.block_n;
       for (int64_t offset : {0, 5, 1000}) {
-        LaunchSpec spec;
+        LaunchSpec spec = SpecFor(path, block_n, config.stage_k);
         spec.batch = 4;
         spec.vocab_offset = offset;
-        spec.kernel = path;
-        spec.block_n = block_n;
-        spec.stage_k = config.stage_k;
         LaunchOutput out;
-        ASSERT_TRUE(RunFused(problem, spec, &out));
+        ASSERT_TRUE(Run(problem, spec, &out));
         for (int32_t token : out.tokens) {
           EXPECT_EQ(token, offset) << PathName(path) << " " << block_n;
         }
@@ -706,8 +717,7 @@ TEST(FusedSamplerGpuTest, GreedyTiesGoToTheLowestGlobalId) {
   }
 }
 
-TEST(FusedSamplerGpuTest, RandomBf16TokensAgreeWithFp32CublasReference) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(FusedSamplerGpuTest, RandomBf16TokensAgreeWithFp32CublasReference) {
   constexpr int64_t kVocab = 151936;
   constexpr int kHidden = 4096;
   constexpr int kRows = 4096;
@@ -728,10 +738,10 @@ TEST(FusedSamplerGpuTest, RandomBf16TokensAgreeWithFp32CublasReference) {
   ASSERT_TRUE(weights.ok() && hidden.ok() && logits.ok() && fused_logits.ok() &&
               candidates.ok() && reference_candidates.ok());
   FS_ASSERT_CUDA(LaunchFillUniform(weights.get(), kVocab * kHidden,
-                                   LogitsDType::kBf16, 21, 0.35f, nullptr));
+                                   DType::kBf16, 21, 0.35f, nullptr));
   FS_ASSERT_CUDA(LaunchFillUniform(hidden.get(),
                                    static_cast<int64_t>(kRows) * kHidden,
-                                   LogitsDType::kBf16, 22, 0.35f, nullptr));
+                                   DType::kBf16, 22, 0.35f, nullptr));
   std::vector<float> inv_t;
   std::vector<uint64_t> seeds;
   std::vector<uint64_t> steps;
@@ -764,10 +774,10 @@ TEST(FusedSamplerGpuTest, RandomBf16TokensAgreeWithFp32CublasReference) {
                                           tokens.get(), nullptr, nullptr));
     // Reference: fp32 logits from cuBLAS, the same noise, Gumbel-max.
     FS_ASSERT_CUDA(CublasLogits(cublas, weights.get(), chunk_hidden,
-                                KernelDType::kBf16, kVocab, kHidden, kChunk,
-                                logits.get(), LogitsDType::kFp32, nullptr));
+                                DType::kBf16, kVocab, kHidden, kChunk,
+                                logits.get(), DType::kFp32, nullptr));
     FS_ASSERT_CUDA(LaunchGumbelOverLogits(
-        logits.get(), LogitsDType::kFp32, kVocab, 0, kChunk, 1,
+        logits.get(), DType::kFp32, kVocab, 0, kChunk, 1,
         inv_t_device.get() + first, seeds_device.get() + first,
         steps_device.get() + first, reference_candidates.get(), nullptr));
     FS_ASSERT_CUDA(LaunchReduceCandidates(reference_candidates.get(), chunks, 1,
@@ -845,10 +855,11 @@ struct ChiCase {
   int batch;
 };
 
-class FusedSamplerChiSquaredTest : public ::testing::TestWithParam<ChiCase> {};
+class FusedSamplerChiSquaredTest
+    : public FusedSamplerGpuTest,
+      public ::testing::WithParamInterface<ChiCase> {};
 
 TEST_P(FusedSamplerChiSquaredTest, SamplesFollowTheExactSoftmax) {
-  FS_SKIP_WITHOUT_GPU();
   const int64_t vocab = GetParam().vocab;
   const int batch = GetParam().batch;
   constexpr int kHidden = 64;
@@ -870,9 +881,8 @@ TEST_P(FusedSamplerChiSquaredTest, SamplesFollowTheExactSoftmax) {
   std::vector<uint64_t> seeds(batch);
   for (int b = 0; b < batch; ++b) seeds[b] = 1000003ull * (b + 1);
   Problem problem;
-  ASSERT_TRUE(MakeProblem(weights, hidden, vocab, kHidden, KernelDType::kBf16,
-                          inv_t, seeds, std::vector<uint64_t>(batch, 0),
-                          &problem));
+  ASSERT_TRUE(Upload(weights, hidden, vocab, kHidden, DType::kBf16, inv_t,
+                     seeds, std::vector<uint64_t>(batch, 0), &problem));
   const int64_t tiles = FusedSampleNumTiles(vocab);
   DeviceArray<Candidate> candidates(tiles * per_launch);
   DeviceArray<int32_t> tokens(static_cast<size_t>(launches) * per_launch);
@@ -882,15 +892,8 @@ TEST_P(FusedSamplerChiSquaredTest, SamplesFollowTheExactSoftmax) {
   ASSERT_TRUE(candidates.ok() && tokens.ok() && steps.ok());
   FS_ASSERT_CUDA(steps.Upload(all_steps));
   for (int launch = 0; launch < launches; ++launch) {
-    FusedSampleParams params;
-    params.weights = problem.weights->get();
-    params.hidden = problem.hidden_states->get();
-    params.vocab_rows = vocab;
-    params.hidden_size = kHidden;
-    params.batch = batch;
+    FusedSampleParams params = LaunchParams(problem, 0, batch);
     params.num_samples = kSamples;
-    params.inv_temperature = problem.inv_temperature->get();
-    params.seeds = problem.seeds->get();
     params.steps = steps.get() + static_cast<size_t>(launch) * batch;
     params.candidates = candidates.get();
     FS_ASSERT_CUDA(LaunchFusedSample(params, nullptr, 0, nullptr));
@@ -971,11 +974,10 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(info.param.batch);
     });
 
-// DESIGN.md rule 2: a row's logits (bit for bit) and tokens are the same
-// alone, in any batch of 2..256 at any position, and for every tile width
+// docs/design.md#invariance: a row's logits (bit for bit) and tokens are the
+// same alone, in any batch of 2..256 at any position, and for every tile width
 // of the path.
-TEST(FusedSamplerGpuTest, BatchInvariance) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(FusedSamplerGpuTest, BatchInvariance) {
   constexpr int64_t kVocab = 4096 + 77;
   constexpr int kHidden = 4096;  // the full K depth of real models
   constexpr int kRows = 256;
@@ -994,20 +996,19 @@ TEST(FusedSamplerGpuTest, BatchInvariance) {
   for (FusedKernel path : AvailablePaths()) {
     SCOPED_TRACE(PathName(path));
     Problem problem;
-    ASSERT_TRUE(MakeProblem(weights, hidden, kVocab, kHidden,
-                            KernelDType::kBf16, inv_t, seeds, steps, &problem));
+    ASSERT_TRUE(Upload(weights, hidden, kVocab, kHidden, DType::kBf16, inv_t,
+                       seeds, steps, &problem));
     // Each row alone.
     std::vector<int32_t> alone_tokens(kRows * kSamples);
     std::vector<float> alone_logits(static_cast<size_t>(kRows) * kVocab);
     for (int r = 0; r < kRows; ++r) {
-      LaunchSpec spec;
+      LaunchSpec spec = SpecFor(path);
       spec.first_row = r;
       spec.batch = 1;
       spec.num_samples = kSamples;
-      spec.kernel = path;
       spec.want_logits = true;
       LaunchOutput out;
-      ASSERT_TRUE(RunFused(problem, spec, &out));
+      ASSERT_TRUE(Run(problem, spec, &out));
       std::copy(out.tokens.begin(), out.tokens.end(),
                 alone_tokens.begin() + r * kSamples);
       std::copy(out.logits.begin(), out.logits.end(),
@@ -1045,20 +1046,17 @@ TEST(FusedSamplerGpuTest, BatchInvariance) {
         rotated_steps[i] = steps[r];
       }
       Problem rotated;
-      ASSERT_TRUE(MakeProblem(weights, rotated_hidden, kVocab, kHidden,
-                              KernelDType::kBf16, rotated_inv_t, rotated_seeds,
-                              rotated_steps, &rotated, problem.weights));
+      ASSERT_TRUE(Upload(weights, rotated_hidden, kVocab, kHidden, DType::kBf16,
+                         rotated_inv_t, rotated_seeds, rotated_steps, &rotated,
+                         problem.weights));
       for (int first = 0; first < kRows; first += c.batch) {
-        LaunchSpec spec;
+        LaunchSpec spec = SpecFor(path, c.block_n, c.stage_k);
         spec.first_row = first;
         spec.batch = std::min(c.batch, kRows - first);
         spec.num_samples = kSamples;
-        spec.kernel = path;
-        spec.block_n = c.block_n;
-        spec.stage_k = c.stage_k;
         spec.want_logits = true;
         LaunchOutput out;
-        ASSERT_TRUE(RunFused(rotated, spec, &out));
+        ASSERT_TRUE(Run(rotated, spec, &out));
         for (int j = 0; j < spec.batch; ++j) {
           const int r = source[first + j];
           ASSERT_EQ(std::memcmp(&out.logits[static_cast<size_t>(j) * kVocab],
@@ -1079,8 +1077,7 @@ TEST(FusedSamplerGpuTest, BatchInvariance) {
   }
 }
 
-TEST(FusedSamplerGpuTest, ReduceCandidatesPicksBestScoreThenLowestId) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(FusedSamplerGpuTest, ReduceCandidatesPicksBestScoreThenLowestId) {
   std::mt19937_64 rng(9);
   for (int64_t tiles : {1, 5, 2000}) {
     for (int samples : {1, 3}) {
@@ -1126,8 +1123,7 @@ TEST(FusedSamplerGpuTest, ReduceCandidatesPicksBestScoreThenLowestId) {
   }
 }
 
-TEST(FusedSamplerGpuTest, RefusesUnsupportedShapes) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(FusedSamplerGpuTest, RefusesUnsupportedShapes) {
   DeviceArray<uint16_t> weights(1024 * 128);
   DeviceArray<uint16_t> hidden(300 * 128);
   DeviceArray<float> inv_t(300);
@@ -1156,15 +1152,18 @@ TEST(FusedSamplerGpuTest, RefusesUnsupportedShapes) {
   bad.hidden_capacity_rows = params.batch - 1;  // fewer rows than the batch
   EXPECT_EQ(LaunchFusedSample(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
   bad = params;
+  bad.dtype = DType::kFp32;  // the tensor cores take bf16 and fp16 only
+  EXPECT_EQ(LaunchFusedSample(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
+  bad = params;
   bad.hidden = hidden.get() + 1;  // misaligned
   EXPECT_EQ(LaunchFusedSample(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
   bad = params;
-  bad.kernel = FusedKernel::kMmaSync;
-  bad.block_n = 256;  // no such mma.sync configuration
+  bad.tuning.kernel = FusedKernel::kMmaSync;
+  bad.tuning.block_n = 256;  // no such mma.sync configuration
   EXPECT_EQ(LaunchFusedSample(bad, nullptr, 0, nullptr), cudaErrorNotSupported);
   if (FusedSampleResolveKernel(FusedKernel::kAuto) != FusedKernel::kWgmma) {
     bad = params;
-    bad.kernel = FusedKernel::kWgmma;
+    bad.tuning.kernel = FusedKernel::kWgmma;
     EXPECT_EQ(LaunchFusedSample(bad, nullptr, 0, nullptr),
               cudaErrorNotSupported);
   }

@@ -180,7 +180,7 @@ FusedSampleParams ParamsFor(const RankBuffers& rb, int64_t rows, int64_t offset,
   FusedSampleParams p;
   p.weights = rb.weights.get<void>();
   p.hidden = rb.hidden.get<void>();
-  p.dtype = KernelDType::kBf16;
+  p.dtype = DType::kBf16;
   p.vocab_rows = rows;
   p.vocab_offset = offset;
   p.hidden_size = hidden;
@@ -483,7 +483,7 @@ INSTANTIATE_TEST_SUITE_P(
                        TpTransport::kCudaPeer,
                        1},
         // One rank per GPU through NCCL's device API on 4- and 8-GPU
-        // machines (issue 6); they skip, loudly, on fewer GPUs.
+        // machines; they skip, loudly, on fewer GPUs.
         InvarianceCase{"Tp4Even_NcclOn4Gpus",
                        128256,
                        256,

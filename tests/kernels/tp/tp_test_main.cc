@@ -1,5 +1,6 @@
 // Test main of the multi-GPU tensor-parallel tests: keeps NVLink multicast
-// off (DESIGN.md) before anything can initialise NCCL, then runs gtest.
+// off (docs/design.md#tensor-parallelism) before anything can initialise NCCL,
+// then runs gtest.
 #include <gtest/gtest.h>
 
 #include <cstdlib>

@@ -1,8 +1,8 @@
 // End-to-end tests of the CUDA engine: tokens equal the CPU sampler's on
 // small-integer weights (exact logits), two slots in flight, row chunking
 // for many samples, refusals, and tensor parallel over two GPUs with an
-// uneven split giving the same tokens as one GPU (DESIGN.md rule 2). Every
-// test skips loudly without (enough) GPUs.
+// uneven split giving the same tokens as one GPU (docs/design.md#invariance).
+// Every test skips loudly without (enough) GPUs.
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/dtype_convert.h"
 #include "common/status_util.h"
 #include "gtest/gtest.h"
@@ -101,21 +102,53 @@ std::vector<std::vector<int32_t>> Tokens(
   return tokens;
 }
 
-TEST(CudaEngineGpuTest, TokensEqualTheCpuSamplerOnSmallIntegerWeights) {
-  FS_SKIP_WITHOUT_GPU();
+// The fixture of every engine test: skips loudly without a GPU (the
+// tensor-parallel tests also without a second one), and holds the engines
+// and references the tests build.
+class CudaEngineGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override { FS_SKIP_WITHOUT_GPU(); }
+
+  // An engine on device 0 over small-integer W (SmallIntegerWeights).
+  static absl::StatusOr<std::unique_ptr<Engine>> OneGpuEngine(
+      int64_t vocab, int hidden, uint64_t seed, int max_batch_rows,
+      std::vector<float>* values) {
+    auto weights = SmallIntegerWeights(vocab, hidden, seed, values);
+    if (weights == nullptr) {
+      return absl::InternalError("small-integer weights did not load");
+    }
+    CudaEngineOptions options;
+    options.devices = {0};
+    options.max_batch_rows = max_batch_rows;
+    return CreateCudaEngine(weights, options);
+  }
+
+  // The CPU sampler over the same W: the exact reference.
+  static absl::StatusOr<std::unique_ptr<CpuSampler>> CpuReference(
+      const std::vector<float>& values, int64_t vocab, int hidden) {
+    return CpuSampler::Create(
+        std::make_shared<const std::vector<float>>(values), vocab, hidden,
+        CpuSamplerOptions());
+  }
+
+  // Weights from a "synthetic:..." source.
+  static absl::StatusOr<std::shared_ptr<const Weights>> LoadSynthetic(
+      const std::string& source) {
+    WeightsOptions options;
+    options.source = source;
+    auto loaded = Weights::Load(options);
+    if (!loaded.ok()) return loaded.status();
+    return std::shared_ptr<const Weights>(std::move(*loaded));
+  }
+};
+
+TEST_F(CudaEngineGpuTest, TokensEqualTheCpuSamplerOnSmallIntegerWeights) {
   constexpr int64_t kVocab = 1001;
   constexpr int kHidden = 128;
   std::vector<float> values;
-  auto weights = SmallIntegerWeights(kVocab, kHidden, 1, &values);
-  ASSERT_NE(weights, nullptr);
-  CudaEngineOptions options;
-  options.devices = {0};
-  options.max_batch_rows = 64;
-  auto engine = CreateCudaEngine(weights, options);
+  auto engine = OneGpuEngine(kVocab, kHidden, 1, 64, &values);
   ASSERT_TRUE(engine.ok()) << engine.status();
-  auto sampler =
-      CpuSampler::Create(std::make_shared<const std::vector<float>>(values),
-                         kVocab, kHidden, CpuSamplerOptions());
+  auto sampler = CpuReference(values, kVocab, kHidden);
   ASSERT_TRUE(sampler.ok()) << sampler.status();
 
   for (int rows : {1, 7, 64}) {
@@ -135,15 +168,9 @@ TEST(CudaEngineGpuTest, TokensEqualTheCpuSamplerOnSmallIntegerWeights) {
   }
 }
 
-TEST(CudaEngineGpuTest, ReportsItsShapeAndRefusesWhatItCannotDoExactly) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(CudaEngineGpuTest, ReportsItsShapeAndRefusesWhatItCannotDoExactly) {
   std::vector<float> values;
-  auto weights = SmallIntegerWeights(1001, 128, 2, &values);
-  ASSERT_NE(weights, nullptr);
-  CudaEngineOptions options;
-  options.devices = {0};
-  options.max_batch_rows = 32;
-  auto engine = CreateCudaEngine(weights, options);
+  auto engine = OneGpuEngine(1001, 128, 2, 32, &values);
   ASSERT_TRUE(engine.ok()) << engine.status();
   const EngineInfo& info = (*engine)->info();
   EXPECT_EQ(info.backend, "cuda");
@@ -180,50 +207,28 @@ TEST(CudaEngineGpuTest, ReportsItsShapeAndRefusesWhatItCannotDoExactly) {
       (*engine)->Sample(BatchView{0, 4, batch.specs.data()}, &results).ok());
 }
 
-TEST(CudaEngineGpuTest, RefusesWeightsAndDevicesItCannotServe) {
-  FS_SKIP_WITHOUT_GPU();
-  WeightsOptions fp32;
-  fp32.source = "synthetic:vocab=1000,hidden=128,seed=1,dtype=fp32";
-  auto weights = Weights::Load(fp32);
-  ASSERT_TRUE(weights.ok()) << weights.status();
-  EXPECT_EQ(
-      CreateCudaEngine(std::shared_ptr<const Weights>(std::move(*weights)),
-                       CudaEngineOptions())
-          .status()
-          .code(),
-      absl::StatusCode::kInvalidArgument);
-  WeightsOptions odd;
-  odd.source = "synthetic:vocab=1000,hidden=72,seed=1,dtype=bf16";
-  weights = Weights::Load(odd);
-  ASSERT_TRUE(weights.ok()) << weights.status();
-  EXPECT_EQ(
-      CreateCudaEngine(std::shared_ptr<const Weights>(std::move(*weights)),
-                       CudaEngineOptions())
-          .status()
-          .code(),
-      absl::StatusCode::kInvalidArgument);
-  WeightsOptions good;
-  good.source = "synthetic:vocab=1000,hidden=128,seed=1,dtype=bf16";
-  weights = Weights::Load(good);
-  ASSERT_TRUE(weights.ok()) << weights.status();
+TEST_F(CudaEngineGpuTest, RefusesWeightsAndDevicesItCannotServe) {
+  auto fp32 =
+      LoadSynthetic("synthetic:vocab=1000,hidden=128,seed=1,dtype=fp32");
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  EXPECT_EQ(CreateCudaEngine(*fp32, CudaEngineOptions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto odd = LoadSynthetic("synthetic:vocab=1000,hidden=72,seed=1,dtype=bf16");
+  ASSERT_TRUE(odd.ok()) << odd.status();
+  EXPECT_EQ(CreateCudaEngine(*odd, CudaEngineOptions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto good =
+      LoadSynthetic("synthetic:vocab=1000,hidden=128,seed=1,dtype=bf16");
+  ASSERT_TRUE(good.ok()) << good.status();
   CudaEngineOptions missing;
   missing.devices = {CudaDeviceCount()};
-  EXPECT_EQ(CreateCudaEngine(
-                std::shared_ptr<const Weights>(std::move(*weights)), missing)
-                .status()
-                .code(),
+  EXPECT_EQ(CreateCudaEngine(*good, missing).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST(CudaEngineGpuTest, TwoSlotsInFlightGiveTheSameTokensAsOneAtATime) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(CudaEngineGpuTest, TwoSlotsInFlightGiveTheSameTokensAsOneAtATime) {
   std::vector<float> values;
-  auto weights = SmallIntegerWeights(5000, 256, 3, &values);
-  ASSERT_NE(weights, nullptr);
-  CudaEngineOptions options;
-  options.devices = {0};
-  options.max_batch_rows = 64;
-  auto created = CreateCudaEngine(weights, options);
+  auto created = OneGpuEngine(5000, 256, 3, 64, &values);
   ASSERT_TRUE(created.ok()) << created.status();
   Engine& engine = **created;
   constexpr int kRounds = 20;
@@ -263,21 +268,14 @@ TEST(CudaEngineGpuTest, TwoSlotsInFlightGiveTheSameTokensAsOneAtATime) {
   EXPECT_EQ(got, expected);
 }
 
-TEST(CudaEngineGpuTest, ManySamplesPerRowRunInRowChunks) {
-  FS_SKIP_WITHOUT_GPU();
+TEST_F(CudaEngineGpuTest, ManySamplesPerRowRunInRowChunks) {
   constexpr int64_t kVocab = 3000;
   constexpr int kHidden = 64;
   std::vector<float> values;
-  auto weights = SmallIntegerWeights(kVocab, kHidden, 4, &values);
-  ASSERT_NE(weights, nullptr);
-  CudaEngineOptions options;
-  options.devices = {0};
-  options.max_batch_rows = 64;  // 256 candidate pairs per launch
-  auto engine = CreateCudaEngine(weights, options);
+  // 64 rows: 256 candidate pairs per launch.
+  auto engine = OneGpuEngine(kVocab, kHidden, 4, 64, &values);
   ASSERT_TRUE(engine.ok()) << engine.status();
-  auto sampler =
-      CpuSampler::Create(std::make_shared<const std::vector<float>>(values),
-                         kVocab, kHidden, CpuSamplerOptions());
+  auto sampler = CpuReference(values, kVocab, kHidden);
   ASSERT_TRUE(sampler.ok());
   const Batch batch = MakeBatch(64, kHidden, 77, 16);  // 64 x 16 pairs
   Stage(**engine, 1, batch);
@@ -291,14 +289,13 @@ TEST(CudaEngineGpuTest, ManySamplesPerRowRunInRowChunks) {
   EXPECT_EQ(Tokens(gpu), Tokens(cpu));
 }
 
-TEST(CudaEngineGpuTest, TwoDevicesWithAnUnevenSplitGiveTheSameTokensAsOne) {
+TEST_F(CudaEngineGpuTest, TwoDevicesWithAnUnevenSplitGiveTheSameTokensAsOne) {
   FS_SKIP_WITHOUT_GPUS(2);
   constexpr int kHidden = 256;
-  WeightsOptions source;
-  source.source = "synthetic:vocab=1001,hidden=256,seed=7,dtype=bf16";
-  auto loaded = Weights::Load(source);
+  auto loaded =
+      LoadSynthetic("synthetic:vocab=1001,hidden=256,seed=7,dtype=bf16");
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  std::shared_ptr<const Weights> weights(std::move(*loaded));
+  const std::shared_ptr<const Weights> weights = *loaded;
   CudaEngineOptions one;
   one.devices = {0};
   one.max_batch_rows = 128;
@@ -341,14 +338,13 @@ TEST(CudaEngineGpuTest, TwoDevicesWithAnUnevenSplitGiveTheSameTokensAsOne) {
 // A rank that stops answering (here: the barriers aborted, as the timeout
 // would) must not hang the engine: the call fails UNAVAILABLE as a fatal
 // device error (health turns NOT_SERVING on it), and so does every later call.
-TEST(CudaEngineGpuTest, AFailedTensorParallelBarrierFailsFastAndForGood) {
+TEST_F(CudaEngineGpuTest, AFailedTensorParallelBarrierFailsFastAndForGood) {
   FS_SKIP_WITHOUT_GPUS(2);
   constexpr int kHidden = 256;
-  WeightsOptions source;
-  source.source = "synthetic:vocab=1001,hidden=256,seed=7,dtype=bf16";
-  auto loaded = Weights::Load(source);
+  auto loaded =
+      LoadSynthetic("synthetic:vocab=1001,hidden=256,seed=7,dtype=bf16");
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  std::shared_ptr<const Weights> weights(std::move(*loaded));
+  const std::shared_ptr<const Weights> weights = *loaded;
   CudaEngineOptions two;
   two.devices = {0, 1};
   two.max_batch_rows = 16;
