@@ -1,0 +1,232 @@
+// Host-side packer for the controlled sampler: turns each row's plain control
+// lists (bias, bans, prompt and output ids, bitmask) into the merged,
+// id-sorted per-token entries and ControlledRow array the kernel reads, laid
+// out in one byte buffer so a batch costs one host-to-device copy.
+// Header-only; knows nothing of the service's types.
+#ifndef FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_PLAN_H_
+#define FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_PLAN_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels/controls/controlled_math.h"
+#include "kernels/controls/controlled_types.h"
+
+namespace flashsampler {
+
+// One row's controls as plain arrays (pointers may be null when the count
+// is 0). Defaults are "off", as in SamplingParams.
+struct ControlledRowInput {
+  float temperature = 1.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  const int32_t* bias_ids = nullptr;  // logit_bias, in request order
+  const float* bias_values = nullptr;
+  size_t num_bias = 0;
+  const int32_t* banned_ids = nullptr;
+  size_t num_banned = 0;
+  const int32_t* prompt_ids = nullptr;
+  size_t num_prompt = 0;
+  const int32_t* output_ids = nullptr;  // output_token_counts
+  const int32_t* output_counts = nullptr;
+  size_t num_output = 0;
+  const uint32_t* allowed_bitmask = nullptr;  // ceil(V / 32) words, or null
+  size_t bitmask_words = 0;
+  int32_t n = 1;
+  int32_t top_n = 0;
+  uint32_t logprob_flags = 0;  // kLogprob* bits
+  uint64_t seed = 0;
+  uint64_t step = 0;
+};
+
+// A batch's packed controls. AddRow in batch order, then copy bytes() to the
+// device (one buffer of bytes().size(), 256-byte aligned) and BindInputs.
+class ControlledPlan {
+ public:
+  // Merges the row's lists exactly as the CPU sampler's PlanRow does: the
+  // bias of an id is the fp32 sum of its entries in list order; prompt ids
+  // and positive output counts mark it repeated when the repetition penalty
+  // is not 1; its count is the sum of its positive output counts.
+  void AddRow(const ControlledRowInput& in) {
+    ControlledRow row;
+    row.temperature = in.temperature;
+    row.top_k = in.top_k;
+    row.top_p = in.top_p;
+    row.min_p = in.min_p;
+    row.log_min_p =
+        in.min_p > 0.0f ? std::log(static_cast<double>(in.min_p)) : 0.0;
+    row.repetition_penalty = in.repetition_penalty;
+    row.frequency_penalty = in.frequency_penalty;
+    row.presence_penalty = in.presence_penalty;
+    row.seed = in.seed;
+    row.step = in.step;
+    row.n = in.n;
+    row.top_n = in.top_n;
+    row.logprob_flags = in.logprob_flags;
+
+    // (id, kind, index) in list order; a stable sort by id keeps each id's
+    // bias entries in list order.
+    struct Entry {
+      int32_t id;
+      int kind;  // 0 bias, 1 banned, 2 prompt, 3 output
+      size_t index;
+    };
+    std::vector<Entry> entries;
+    entries.reserve(in.num_bias + in.num_banned + in.num_prompt +
+                    in.num_output);
+    for (size_t i = 0; i < in.num_bias; ++i)
+      entries.push_back({in.bias_ids[i], 0, i});
+    for (size_t i = 0; i < in.num_banned; ++i)
+      entries.push_back({in.banned_ids[i], 1, i});
+    const bool penalized = in.repetition_penalty != 1.0f;
+    if (penalized) {
+      for (size_t i = 0; i < in.num_prompt; ++i)
+        entries.push_back({in.prompt_ids[i], 2, i});
+    }
+    for (size_t i = 0; i < in.num_output; ++i) {
+      if (in.output_counts[i] > 0) entries.push_back({in.output_ids[i], 3, i});
+    }
+    std::stable_sort(
+        entries.begin(), entries.end(),
+        [](const Entry& a, const Entry& b) { return a.id < b.id; });
+    row.special_begin = static_cast<int64_t>(special_ids_.size());
+    for (size_t e = 0; e < entries.size();) {
+      const int32_t id = entries[e].id;
+      uint8_t flags = 0;
+      float bias = 0.0f;
+      int32_t count = 0;
+      for (; e < entries.size() && entries[e].id == id; ++e) {
+        const Entry& entry = entries[e];
+        switch (entry.kind) {
+          case 0:
+            bias = (flags & controls::kSpecialHasBias)
+                       ? bias + in.bias_values[entry.index]
+                       : in.bias_values[entry.index];
+            flags |= controls::kSpecialHasBias;
+            break;
+          case 1:
+            flags |= controls::kSpecialBanned;
+            break;
+          case 2:
+            flags |= controls::kSpecialRepeated;
+            break;
+          default:
+            if (penalized) flags |= controls::kSpecialRepeated;
+            count += in.output_counts[entry.index];
+            break;
+        }
+      }
+      special_ids_.push_back(id);
+      special_flags_.push_back(flags);
+      special_bias_.push_back(bias);
+      special_count_.push_back(count);
+    }
+    row.special_end = static_cast<int64_t>(special_ids_.size());
+    if (in.allowed_bitmask != nullptr && in.bitmask_words > 0) {
+      row.bitmask_offset = static_cast<int64_t>(bitmask_.size());
+      bitmask_.insert(bitmask_.end(), in.allowed_bitmask,
+                      in.allowed_bitmask + in.bitmask_words);
+    }
+    max_samples_ = std::max(max_samples_, in.n);
+    max_top_n_ = std::max(max_top_n_, in.top_n);
+    rows_.push_back(row);
+  }
+
+  int rows() const { return static_cast<int>(rows_.size()); }
+  const std::vector<ControlledRow>& row_controls() const { return rows_; }
+  const std::vector<int32_t>& special_ids() const { return special_ids_; }
+  const std::vector<uint8_t>& special_flags() const { return special_flags_; }
+  const std::vector<float>& special_bias() const { return special_bias_; }
+  const std::vector<int32_t>& special_count() const { return special_count_; }
+  const std::vector<uint32_t>& bitmask() const { return bitmask_; }
+  // Output capacities the batch needs (max n, max top_n; top_n beyond V is
+  // listed as V, so min(max_top_n(), V) also suffices).
+  int max_samples() const { return max_samples_; }
+  int max_top_n() const { return max_top_n_; }
+
+  // Every input array in one buffer, each at a 256-byte aligned offset.
+  std::vector<unsigned char> bytes() const {
+    Layout layout = MakeLayout();
+    std::vector<unsigned char> out(layout.total, 0);
+    auto put = [&out](size_t offset, const void* data, size_t size) {
+      if (size > 0) std::memcpy(out.data() + offset, data, size);
+    };
+    put(layout.rows, rows_.data(), sizeof(ControlledRow) * rows_.size());
+    put(layout.ids, special_ids_.data(), 4 * special_ids_.size());
+    put(layout.flags, special_flags_.data(), special_flags_.size());
+    put(layout.bias, special_bias_.data(), 4 * special_bias_.size());
+    put(layout.count, special_count_.data(), 4 * special_count_.size());
+    put(layout.bitmask, bitmask_.data(), 4 * bitmask_.size());
+    return out;
+  }
+
+  // Points `params`' inputs into a device copy of bytes() and sets rows,
+  // vocab and the output capacities; logits and outputs are the caller's.
+  void BindInputs(const void* device_bytes, int64_t vocab,
+                  ControlledSampleParams* params) const {
+    const Layout layout = MakeLayout();
+    const unsigned char* base = static_cast<const unsigned char*>(device_bytes);
+    params->rows = rows();
+    params->vocab = vocab;
+    params->row_controls =
+        reinterpret_cast<const ControlledRow*>(base + layout.rows);
+    params->special_ids = reinterpret_cast<const int32_t*>(base + layout.ids);
+    params->special_flags = base + layout.flags;
+    params->special_bias = reinterpret_cast<const float*>(base + layout.bias);
+    params->special_count =
+        reinterpret_cast<const int32_t*>(base + layout.count);
+    params->bitmask =
+        bitmask_.empty()
+            ? nullptr
+            : reinterpret_cast<const uint32_t*>(base + layout.bitmask);
+    params->max_samples = std::max(1, max_samples_);
+    params->max_top_n = static_cast<int>(std::min<int64_t>(
+        std::max(0, max_top_n_), std::max<int64_t>(vocab, 0)));
+  }
+
+ private:
+  struct Layout {
+    size_t rows, ids, flags, bias, count, bitmask, total;
+  };
+
+  Layout MakeLayout() const {
+    auto align = [](size_t v) { return (v + 255) / 256 * 256; };
+    Layout l;
+    size_t at = 0;
+    l.rows = at;
+    at = align(at + sizeof(ControlledRow) * rows_.size());
+    l.ids = at;
+    at = align(at + 4 * special_ids_.size());
+    l.flags = at;
+    at = align(at + special_flags_.size());
+    l.bias = at;
+    at = align(at + 4 * special_bias_.size());
+    l.count = at;
+    at = align(at + 4 * special_count_.size());
+    l.bitmask = at;
+    at = align(at + 4 * bitmask_.size());
+    l.total = std::max<size_t>(at, 256);
+    return l;
+  }
+
+  std::vector<ControlledRow> rows_;
+  std::vector<int32_t> special_ids_;
+  std::vector<uint8_t> special_flags_;
+  std::vector<float> special_bias_;
+  std::vector<int32_t> special_count_;
+  std::vector<uint32_t> bitmask_;
+  int max_samples_ = 1;
+  int max_top_n_ = 0;
+};
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_PLAN_H_

@@ -1,0 +1,117 @@
+// The plain data of the controlled sampler's interface: per-row controls,
+// status codes and launch arguments. Free of CUDA headers, so the host packer
+// (controlled_plan.h) and host tests build without the CUDA toolkit.
+#ifndef FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_TYPES_H_
+#define FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_TYPES_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashsampler {
+
+// ControlledRow::logprob_flags bits.
+constexpr uint32_t kLogprobSampled = 1u;    // logprob of each sampled token
+constexpr uint32_t kLogprobLogsumexp = 2u;  // the row's logsumexp
+constexpr uint32_t kLogprobRaw = 4u;  // raw logits instead of processed ones
+
+// The controls of one row (an array of these lives on the device). Values
+// are assumed range-checked as the CPU's ValidateRow does (temperature >= 0,
+// top_p in (0, 1], min_p in [0, 1], penalties finite, ids < V).
+struct ControlledRow {
+  float temperature = 1.0f;  // 0 = greedy (argmax of l; filters ignored)
+  int32_t top_k = 0;         // 0 or >= V = off
+  float top_p = 1.0f;        // 1 = off
+  float min_p = 0.0f;        // 0 = off
+  // std::log((double)min_p) computed on the host (read only when min_p > 0):
+  // CUDA's double log is within 1 ulp, glibc's is what the CPU floor uses.
+  double log_min_p = 0.0;
+  float repetition_penalty = 1.0f;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  uint64_t seed = 0;  // Philox key (kernels/noise/philox.h)
+  uint64_t step = 0;  // decode step (noise counter)
+  int32_t n = 1;      // samples, 1 .. ControlledSampleParams::max_samples
+  // Most likely tokens to list, 0 .. ; min(top_n, V) must be <=
+  // ControlledSampleParams::max_top_n.
+  int32_t top_n = 0;
+  uint32_t logprob_flags = 0;  // kLogprob* bits
+  // This row's merged per-token entries: [special_begin, special_end) of the
+  // ControlledSampleParams::special_* arrays, ids strictly ascending.
+  int64_t special_begin = 0;
+  int64_t special_end = 0;
+  // Word offset of this row's allowed-token bitmask (ceil(V / 32) words, bit
+  // id % 32 of word id / 32 set = allowed) in ControlledSampleParams::bitmask;
+  // -1 = every token allowed.
+  int64_t bitmask_offset = -1;
+};
+
+// Per-row outcome codes (ControlledSampleParams::status).
+enum ControlledStatus : int32_t {
+  kControlledOk = 0,
+  // Every token is masked (banned ids, allowed bitmask or -inf bias).
+  kControlledAllMasked = 1,
+  // A raw logit is not finite, or a processed one is NaN or +inf;
+  // error_token holds the lowest such id.
+  kControlledNonFinite = 2,
+  // n or top_n exceed the output capacity, or an output this row asks for is
+  // null.
+  kControlledBadControls = 3,
+};
+
+// The CPU sampler's RowResult::error text for a status (kControlledNonFinite
+// adds values the caller formats: "logit of token %d is not finite (raw %g,
+// processed %g)").
+inline const char* ControlledStatusMessage(int32_t status) {
+  switch (status) {
+    case kControlledOk:
+      return "";
+    case kControlledAllMasked:
+      return "every token is masked (banned ids, allowed bitmask or -inf bias)";
+    case kControlledNonFinite:
+      return "logit is not finite";
+    case kControlledBadControls:
+      return "n or top_logprobs exceed the controlled sampler's outputs";
+  }
+  return "unknown controlled sampler status";
+}
+
+// Arguments of one launch. Every pointer is device memory.
+struct ControlledSampleParams {
+  int rows = 0;       // one CTA each
+  int64_t vocab = 0;  // V, 1 .. 2^31 - 1
+  // [rows, logits_row_stride] fp32 raw logits (e.g. written by the fused
+  // kernel through FusedSampleParams::logits_out); read only.
+  const float* logits = nullptr;
+  int64_t logits_row_stride = 0;                // >= vocab
+  const ControlledRow* row_controls = nullptr;  // [rows]
+
+  // Merged per-token entries (ControlledPlan builds them): one per distinct
+  // (row, id) among that row's logit_bias, banned, prompt and output ids.
+  const int32_t* special_ids = nullptr;    // token id
+  const uint8_t* special_flags = nullptr;  // controls::kSpecial* bits
+  // Sum of the id's logit_bias entries, added in list order in fp32.
+  const float* special_bias = nullptr;
+  // Sum of the id's positive output counts (frequency / presence penalties).
+  const int32_t* special_count = nullptr;
+  // Allowed-token bitmask words, addressed by ControlledRow::bitmask_offset;
+  // may be null when no row has a bitmask.
+  const uint32_t* bitmask = nullptr;
+
+  // Output capacities (row strides of the [rows, ...] outputs).
+  int max_samples = 1;  // >= 1
+  int max_top_n = 0;    // >= 0
+
+  // Outputs. Rows that fail get status != 0, token ids -1 and top_count 0.
+  int32_t* token_ids = nullptr;       // [rows, max_samples]
+  float* sampled_logprobs = nullptr;  // [rows, max_samples]; may be null
+  float* logsumexp = nullptr;         // [rows]; may be null
+  int32_t* top_token_ids = nullptr;   // [rows, max_top_n]; may be null
+  float* top_logprobs = nullptr;      // [rows, max_top_n]; may be null
+  int32_t* top_count = nullptr;       // [rows]; may be null
+  int32_t* status = nullptr;          // [rows] ControlledStatus
+  int32_t* error_token = nullptr;     // [rows]; -1 unless kNonFinite
+};
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_TYPES_H_

@@ -1,0 +1,347 @@
+// Host tests of the controlled sampler's arithmetic (controlled_math.h), its
+// packer (controlled_plan.h) and its per-row algorithm run sequentially
+// (controlled_emulation.h) against the CPU reference sampler. No GPU needed.
+#include "kernels/controls/controlled_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/controls/controlled_plan.h"
+#include "tests/kernels/controls/controlled_emulation.h"
+#include "tests/kernels/controls/controlled_test_util.h"
+
+namespace flashsampler {
+namespace {
+
+using controls::U128;
+
+std::vector<float> InterestingFloats(uint64_t seed, int random_count) {
+  std::vector<float> v = {0.0f,
+                          -0.0f,
+                          1.0f,
+                          -1.0f,
+                          0.5f,
+                          -2.5f,
+                          std::numeric_limits<float>::denorm_min(),
+                          -std::numeric_limits<float>::denorm_min(),
+                          std::numeric_limits<float>::min(),
+                          std::numeric_limits<float>::max(),
+                          -std::numeric_limits<float>::max(),
+                          controls::kNegInf,
+                          controls::kPosInf};
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < random_count; ++i) {
+    float f = BitsToFloat(static_cast<uint32_t>(rng()));
+    if (std::isnan(f)) f = 1.25f;
+    v.push_back(f);
+  }
+  return v;
+}
+
+TEST(ControlledMathTest, OrderKeyIsMonotoneAndInvertible) {
+  const std::vector<float> values = InterestingFloats(1, 2000);
+  for (float a : values) {
+    const float fa = controls::FoldZero(a);
+    EXPECT_EQ(FloatToBits(controls::KeyValue(controls::OrderKey(fa))),
+              FloatToBits(fa));
+    for (size_t j = 0; j < 50; ++j) {
+      const float b = controls::FoldZero(values[(j * 41) % values.size()]);
+      EXPECT_EQ(fa > b, controls::OrderKey(fa) > controls::OrderKey(b))
+          << fa << " vs " << b;
+    }
+  }
+}
+
+TEST(ControlledMathTest, PackedKeyOrderIsTheSamplingOrder) {
+  std::mt19937_64 rng(2);
+  std::uniform_int_distribution<int> small(-3, 3);
+  for (int i = 0; i < 20000; ++i) {
+    const float a = static_cast<float>(small(rng)) * 0.5f;
+    const float b = (i % 5 == 0) ? -a : static_cast<float>(small(rng)) * 0.5f;
+    const int32_t ia = static_cast<int32_t>(rng() % 1000);
+    const int32_t ib = static_cast<int32_t>(rng() % 1000);
+    const bool before = a > b || (a == b && ia < ib);
+    EXPECT_EQ(controls::PackedKey(a, ia) > controls::PackedKey(b, ib), before)
+        << a << "," << ia << " vs " << b << "," << ib;
+    EXPECT_EQ(controls::PackedKeyId(controls::PackedKey(a, ia)), ia);
+  }
+  // -0 and +0 are one value: the lower id wins.
+  EXPECT_GT(controls::PackedKey(-0.0f, 3), controls::PackedKey(0.0f, 4));
+  EXPECT_GT(controls::PackedKey(0.0f, 3), controls::PackedKey(-0.0f, 4));
+  // Every finite value's key is above 0, the reductions' "none".
+  EXPECT_GT(controls::PackedKey(-std::numeric_limits<float>::max(), 0x7ffffffe),
+            0u);
+}
+
+TEST(ControlledMathTest, NextUpAndNextDownMatchNextafter) {
+  for (float f : InterestingFloats(3, 5000)) {
+    if (std::isinf(f)) continue;
+    EXPECT_EQ(FloatToBits(controls::NextUp(f)),
+              FloatToBits(std::nextafter(f, controls::kPosInf)))
+        << f;
+    EXPECT_EQ(FloatToBits(controls::NextDown(f)),
+              FloatToBits(std::nextafter(f, controls::kNegInf)))
+        << f;
+  }
+}
+
+// The CPU's SmallestKept, restated with std::nextafter.
+float CpuSmallestKept(float x_max, float min_p) {
+  const double log_min_p = std::log(static_cast<double>(min_p));
+  auto kept = [&](float f) {
+    return static_cast<double>(f) - static_cast<double>(x_max) >= log_min_p;
+  };
+  float f = static_cast<float>(static_cast<double>(x_max) + log_min_p);
+  if (!kept(f)) {
+    while (!kept(f)) f = std::nextafter(f, controls::kPosInf);
+    return f;
+  }
+  while (true) {
+    const float lower = std::nextafter(f, controls::kNegInf);
+    if (lower == controls::kNegInf || !kept(lower)) return f;
+    f = lower;
+  }
+}
+
+TEST(ControlledMathTest, MinPFloorIsTheSmallestKeptFloat) {
+  std::mt19937_64 rng(4);
+  std::uniform_real_distribution<float> top(-50.0f, 50.0f);
+  std::uniform_real_distribution<float> prob(1e-6f, 1.0f);
+  for (int i = 0; i < 20000; ++i) {
+    const float x_max = (i % 7 == 0) ? 0.0f : top(rng);
+    const float min_p = (i % 11 == 0) ? 1.0f : prob(rng);
+    const double log_min_p = std::log(static_cast<double>(min_p));
+    const float floor = controls::MinPFloor(x_max, log_min_p);
+    EXPECT_EQ(FloatToBits(floor), FloatToBits(CpuSmallestKept(x_max, min_p)))
+        << x_max << " " << min_p;
+    EXPECT_GE(static_cast<double>(floor) - x_max, log_min_p);
+    EXPECT_LT(static_cast<double>(controls::NextDown(floor)) - x_max,
+              log_min_p);
+  }
+}
+
+TEST(ControlledMathTest, FixedMassIsTheCpuFormula) {
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> d(-80.0f, 0.0f);
+  EXPECT_EQ(controls::FixedMass(3.0f, 3.0f), uint64_t{1} << 62);
+  for (int i = 0; i < 20000; ++i) {
+    const float x_max = static_cast<float>(i % 13) - 6.0f;
+    const float x = x_max + d(rng);
+    const uint64_t cpu = static_cast<uint64_t>(std::ldexp(
+        std::exp(static_cast<double>(x) - static_cast<double>(x_max)), 62));
+    EXPECT_EQ(controls::FixedMass(x, x_max), cpu);
+  }
+}
+
+TEST(ControlledMathTest, CeilScaledIsExact) {
+  std::mt19937_64 rng(6);
+  for (int i = 0; i < 20000; ++i) {
+    float p = std::ldexp(static_cast<float>(rng() % (1u << 24)) + 1.0f,
+                         -24 - static_cast<int>(rng() % 16));
+    if (!(p > 0.0f && p < 1.0f)) p = 0.5f;
+    const U128 z = static_cast<U128>(rng() >> (rng() % 40));
+    const U128 c = controls::CeilScaled(p, z);
+    // p = m * 2^-s exactly; check (c - 1) * 2^s < m z <= c * 2^s.
+    int e = 0;
+    const float fr = std::frexp(p, &e);
+    const U128 m = static_cast<U128>(std::ldexp(fr, 24));
+    const int s = 24 - e;  // <= 64 here, so nothing below overflows
+    const U128 product = m * z;
+    EXPECT_TRUE(product <= (c << s)) << p;
+    if (c > 0) {
+      EXPECT_TRUE(((c - 1) << s) < product) << p;
+    }
+  }
+  EXPECT_TRUE(controls::CeilScaled(0.5f, 10) == 5);
+  EXPECT_TRUE(controls::CeilScaled(0.5f, 11) == 6);
+  EXPECT_TRUE(controls::CeilScaled(std::numeric_limits<float>::denorm_min(),
+                                   12345) == 1);
+  EXPECT_TRUE(controls::CeilScaled(0.25f, 0) == 0);
+}
+
+TEST(ControlledMathTest, SpecialLogitFollowsTheCpuOrder) {
+  using controls::SpecialLogit;
+  // bias, then the repetition penalty (divide positive, multiply negative),
+  // then frequency * count and presence.
+  EXPECT_EQ(SpecialLogit(2.0f, false, controls::kSpecialHasBias, 1.0f, 0, 1.0f,
+                         0.0f, 0.0f),
+            3.0f);
+  EXPECT_EQ(SpecialLogit(3.0f, false, controls::kSpecialRepeated, 0.0f, 2, 1.5f,
+                         0.25f, 0.5f),
+            3.0f / 1.5f - 0.5f - 0.5f);
+  EXPECT_EQ(SpecialLogit(-3.0f, false, controls::kSpecialRepeated, 0.0f, 0,
+                         2.0f, 0.25f, 0.5f),
+            -6.0f);
+  EXPECT_EQ(SpecialLogit(1.0f, false, controls::kSpecialBanned, 0.0f, 0, 1.0f,
+                         0.0f, 0.0f),
+            controls::kNegInf);
+  EXPECT_EQ(SpecialLogit(1.0f, true, 0, 0.0f, 3, 1.0f, 1.0f, 0.0f),
+            controls::kNegInf);
+}
+
+// The radix cut against sorting: the k-th token of the order (top_k) and the
+// first token whose cumulative mass reaches ceil(p * total) (top_p), on
+// values with many ties.
+TEST(ControlledMathTest, RadixCutsEqualSortedCuts) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int vocab = 1 + static_cast<int>(rng() % 3000);
+    const int levels = 1 + static_cast<int>(rng() % 40);
+    std::vector<float> x(vocab);
+    for (float& v : x) {
+      v = (rng() % 9 == 0)
+              ? controls::kNegInf
+              : static_cast<float>(static_cast<int>(rng() % levels)) * 0.25f;
+    }
+    float x_max = controls::kNegInf;
+    std::vector<int32_t> order;
+    for (int32_t i = 0; i < vocab; ++i) {
+      if (x[i] == controls::kNegInf) continue;
+      order.push_back(i);
+      x_max = std::max(x_max, x[i]);
+    }
+    if (order.empty()) continue;
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return x[a] > x[b] || (x[a] == x[b] && a < b);
+    });
+    auto member = [](int32_t, float v) { return v != controls::kNegInf; };
+    auto keeps = [&](const controls::OrderCut& cut, int32_t i) {
+      return controls::CutKeeps(cut, controls::OrderKey(x[i]), i);
+    };
+    // top_k
+    const int64_t k = 1 + static_cast<int64_t>(rng() % (order.size() + 3));
+    const controls::OrderCut cut_k = testing_controls::EmulateSelectCut(
+        false, x, member, x_max, static_cast<U128>(k));
+    for (size_t pos = 0; pos < order.size(); ++pos) {
+      EXPECT_EQ(keeps(cut_k, order[pos]), static_cast<int64_t>(pos) < k)
+          << "trial " << trial << " k " << k << " pos " << pos;
+    }
+    // top_p
+    const float p = std::uniform_real_distribution<float>(0.01f, 0.999f)(rng);
+    U128 total = 0;
+    for (int32_t i : order) total += controls::FixedMass(x[i], x_max);
+    const U128 target = controls::CeilScaled(p, total);
+    const controls::OrderCut cut_p =
+        testing_controls::EmulateSelectCut(true, x, member, x_max, target);
+    U128 cum = 0;
+    bool reached = false;
+    for (int32_t i : order) {
+      EXPECT_EQ(keeps(cut_p, i), !reached) << "trial " << trial << " p " << p;
+      cum += controls::FixedMass(x[i], x_max);
+      reached = reached || cum >= target;
+    }
+  }
+}
+
+TEST(ControlledPlanTest, MergesListsLikeTheCpuPlan) {
+  ControlledRowInput in;
+  const std::vector<int32_t> bias_ids = {7, 3, 7, 9};
+  const std::vector<float> bias_values = {0.1f, -1.0f, 0.2f, 0.5f};
+  const std::vector<int32_t> banned = {9, 2};
+  const std::vector<int32_t> prompt = {3, 5, 5};
+  const std::vector<int32_t> output_ids = {5, 11, 5, 12};
+  const std::vector<int32_t> output_counts = {2, 0, 1, 3};
+  in.bias_ids = bias_ids.data();
+  in.bias_values = bias_values.data();
+  in.num_bias = bias_ids.size();
+  in.banned_ids = banned.data();
+  in.num_banned = banned.size();
+  in.prompt_ids = prompt.data();
+  in.num_prompt = prompt.size();
+  in.output_ids = output_ids.data();
+  in.output_counts = output_counts.data();
+  in.num_output = output_ids.size();
+  in.repetition_penalty = 1.2f;
+  in.min_p = 0.1f;
+  ControlledPlan plan;
+  plan.AddRow(in);
+  in.repetition_penalty = 1.0f;  // prompt ids no longer matter
+  plan.AddRow(in);
+  ASSERT_EQ(plan.rows(), 2);
+  const ControlledRow& r0 = plan.row_controls()[0];
+  EXPECT_EQ(r0.log_min_p, std::log(static_cast<double>(0.1f)));
+  const std::vector<int32_t> ids0(plan.special_ids().begin() + r0.special_begin,
+                                  plan.special_ids().begin() + r0.special_end);
+  EXPECT_EQ(ids0, (std::vector<int32_t>{2, 3, 5, 7, 9, 12}));
+  auto at = [&](const ControlledRow& r, int32_t id) {
+    for (int64_t k = r.special_begin; k < r.special_end; ++k) {
+      if (plan.special_ids()[k] == id) return k;
+    }
+    return int64_t{-1};
+  };
+  const int64_t k7 = at(r0, 7);
+  EXPECT_EQ(plan.special_bias()[k7], 0.1f + 0.2f);
+  EXPECT_EQ(plan.special_flags()[k7], controls::kSpecialHasBias);
+  EXPECT_EQ(plan.special_flags()[at(r0, 9)],
+            controls::kSpecialHasBias | controls::kSpecialBanned);
+  EXPECT_EQ(plan.special_flags()[at(r0, 3)],
+            controls::kSpecialHasBias | controls::kSpecialRepeated);
+  EXPECT_EQ(plan.special_count()[at(r0, 5)], 3);
+  EXPECT_EQ(plan.special_flags()[at(r0, 5)], controls::kSpecialRepeated);
+  EXPECT_EQ(at(r0, 11), -1);  // count 0: no entry
+  const ControlledRow& r1 = plan.row_controls()[1];
+  EXPECT_EQ(plan.special_flags()[at(r1, 3)], controls::kSpecialHasBias);
+  EXPECT_EQ(plan.special_flags()[at(r1, 5)], 0);
+  EXPECT_EQ(plan.special_count()[at(r1, 5)], 3);
+  EXPECT_EQ(plan.bytes().size() % 256, 0u);
+}
+
+// The per-row algorithm, run on the host, against the CPU sampler on exact
+// small-integer logits: tokens and top ids equal, logprobs within 1e-5.
+void EmulationEqualsCpu(int64_t vocab, int rows_per_case) {
+  constexpr int kHidden = 32;
+  testing_controls::Model model =
+      testing_controls::MakeModel(vocab, kHidden, 11);
+  ASSERT_NE(model.sampler, nullptr);
+  for (const testing_controls::Case& c : testing_controls::Cases(vocab)) {
+    const int rows =
+        std::max<int>(rows_per_case, static_cast<int>(c.params.size()));
+    const std::vector<RowSpec> specs =
+        testing_controls::Specs(c, rows, vocab * 31 + rows);
+    const std::vector<float> hidden =
+        testing_controls::MakeHidden(rows, kHidden, vocab + 7, c.flat_rows);
+    std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+    ASSERT_TRUE(
+        model.sampler->ComputeLogits(hidden.data(), rows, logits.data()).ok());
+    std::vector<RowResult> cpu;
+    (void)model.sampler->Sample(hidden.data(), rows, specs.data(), &cpu);
+    const ControlledPlan plan = testing_controls::PlanOf(specs);
+    int sampled_rows = 0;
+    for (int r = 0; r < rows; ++r) {
+      sampled_rows += cpu[r].error.empty() ? 1 : 0;
+      const testing_controls::EmulatedRow e = testing_controls::EmulateRow(
+          plan, r, logits.data() + static_cast<size_t>(r) * vocab,
+          static_cast<int32_t>(vocab));
+      testing_controls::ExpectRowEqual(
+          cpu[r], e.status, e.token_ids, e.sampled_logprobs, e.logsumexp,
+          e.top_token_ids, e.top_logprobs, *specs[r].params,
+          c.name + " V=" + std::to_string(vocab) + " row " + std::to_string(r));
+    }
+    // Only one_row_all_masked has a failing row.
+    EXPECT_EQ(sampled_rows,
+              c.name == "one_row_all_masked" ? rows - (rows + 1) / 3 : rows)
+        << c.name;
+  }
+}
+
+TEST(ControlledEmulationTest, EqualsTheCpuSamplerV127) {
+  EmulationEqualsCpu(127, 4);
+}
+TEST(ControlledEmulationTest, EqualsTheCpuSamplerV129) {
+  EmulationEqualsCpu(129, 4);
+}
+TEST(ControlledEmulationTest, EqualsTheCpuSamplerV1000) {
+  EmulationEqualsCpu(1000, 4);
+}
+TEST(ControlledEmulationTest, EqualsTheCpuSamplerV32768) {
+  EmulationEqualsCpu(32768, 2);
+}
+
+}  // namespace
+}  // namespace flashsampler
