@@ -71,6 +71,7 @@ run_sanitizer() {  # tool, binary, filter
 if [[ $mode == tests || $mode == all ]]; then
   run_test fused_sampler_gpu_test
   run_test cuda_engine_gpu_test
+  run_test controlled_sampler_gpu_test
   if command -v compute-sanitizer >/dev/null; then
     small='*SanitizerSmallCase*:*ReduceCandidates*:*SplitLastRound*'
     run_sanitizer memcheck fused_sampler_gpu_test "$small"
