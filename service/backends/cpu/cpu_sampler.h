@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "service/backends/cpu/sample.h"  // MaxGumbelNoise()
 #include "service/backends/cpu/thread_pool.h"
 #include "service/backends/sampling_params.h"
 
@@ -115,12 +116,6 @@ class CpuSampler {
   std::vector<float> tail_tile_;
   std::unique_ptr<ThreadPool> pool_;
 };
-
-// An upper bound on every value GumbelNoise takes (about 19.4: the largest
-// noise of a block, at the top cell of its uniform, plus 2^-10); a token whose
-// fl(x + this) is below the best score so far cannot win, so its noise need
-// not be computed.
-float MaxGumbelNoise();
 
 }  // namespace flashsampler
 
