@@ -68,7 +68,8 @@ class CpuSampler {
   // Samples `rows` rows; `hidden` is fp32 [rows, hidden_size]. `results` is
   // resized to `rows`. Rows are independent: a row's result depends only on
   // (W, its hidden state, its spec). A row that cannot be sampled (every
-  // token masked, a non-finite logit, invalid controls) makes the call return
+  // token masked, a non-finite logit, controls refused by
+  // ValidateSamplingParams with SamplingRules::Engine()) makes the call return
   // INVALID_ARGUMENT naming the first such row; the other rows' results are
   // still filled in, each failed row carries its reason in RowResult::error
   // and empty token_ids. Rows that took the exact radix-select fallback say
