@@ -61,6 +61,9 @@ class Engine {
   // a batch are independent: a row's result does not depend on the others,
   // and a row that cannot be sampled reports RowResult::error while Sample()
   // returns OK, so one caller's bad row never fails another caller's rows.
+  // Rows are checked with ValidateSamplingParams(..., SamplingRules::Engine())
+  // (sampling_params.h), the check the request codec applies with the wire
+  // rules.
   // A non-OK status means the whole batch failed (UNAVAILABLE: the device is
   // gone). Thread-safe across distinct slots.
   virtual absl::Status Sample(const BatchView& batch,

@@ -1,6 +1,13 @@
-// Helpers on the wire-independent sampling controls: the mapping from "controls
-// a row uses" to names a backend can refuse.
+// Helpers on the wire-independent sampling controls: the one validation of
+// their ranges, and the mapping from "controls a row uses" to names a
+// backend can refuse.
 #include "service/backends/sampling_params.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace flashsampler {
 
@@ -33,6 +40,184 @@ const std::vector<std::string>& AllSamplingControls() {
 
 namespace {
 
+constexpr int32_t kNoCap = std::numeric_limits<int32_t>::max();
+
+// Formats a float so that NaN and infinities read plainly in messages.
+std::string FloatStr(float v) { return absl::StrFormat("%g", v); }
+
+class FieldChecker {
+ public:
+  FieldChecker(absl::string_view prefix, int64_t vocab)
+      : prefix_(prefix), vocab_(vocab) {}
+
+  std::string Name(absl::string_view field) const {
+    return prefix_.empty() ? std::string(field)
+                           : absl::StrCat(prefix_, ".", field);
+  }
+  absl::Status Invalid(absl::string_view field,
+                       absl::string_view expected) const {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Name(field), ": ", expected));
+  }
+  absl::Status TokenId(absl::string_view field, int64_t id) const {
+    if (id >= 0 && id < vocab_) return absl::OkStatus();
+    return Invalid(
+        field, absl::StrCat("token id must be in [0, ", vocab_, "), got ", id));
+  }
+  absl::Status Finite(absl::string_view field, float v) const {
+    if (std::isfinite(v)) return absl::OkStatus();
+    return Invalid(field, absl::StrCat("must be finite, got ", FloatStr(v)));
+  }
+  absl::Status Range(absl::string_view field, int64_t v, int64_t lo,
+                     int64_t hi) const {
+    if (v >= lo && v <= hi) return absl::OkStatus();
+    return Invalid(
+        field, hi == kNoCap
+                   ? absl::StrCat("must be >= ", lo, ", got ", v)
+                   : absl::StrCat("must be in [", lo, ", ", hi, "], got ", v));
+  }
+
+ private:
+  absl::string_view prefix_;
+  int64_t vocab_;
+};
+
+// Bitmask and banned ids together must leave a token of [0, V) allowed.
+bool LeavesAToken(const SamplingParams& p, int64_t vocab) {
+  const int64_t words = (vocab + 31) / 32;
+  std::vector<uint32_t> allowed = p.allowed_bitmask;
+  if (allowed.empty()) allowed.assign(words, ~0u);
+  if (vocab % 32 != 0) allowed.back() &= (1u << (vocab % 32)) - 1u;
+  for (int32_t id : p.banned_token_ids) allowed[id / 32] &= ~(1u << (id % 32));
+  for (uint32_t w : allowed) {
+    if (w != 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+SamplingRules SamplingRules::Wire(int32_t max_n, int32_t max_top_logprobs) {
+  SamplingRules rules;
+  rules.max_n = max_n;
+  rules.max_top_logprobs = max_top_logprobs;
+  rules.wire = true;
+  return rules;
+}
+
+SamplingRules SamplingRules::Engine() {
+  SamplingRules rules;
+  rules.max_n = kNoCap;
+  rules.max_top_logprobs = kNoCap;
+  return rules;
+}
+
+absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
+                                    absl::string_view field_prefix,
+                                    const SamplingRules& rules) {
+  const FieldChecker check(field_prefix, vocab_size);
+  if (!std::isfinite(p.temperature) || p.temperature < 0.0f) {
+    return check.Invalid(
+        "temperature",
+        absl::StrCat("must be finite and >= 0 (0 = greedy), got ",
+                     FloatStr(p.temperature)));
+  }
+  if (p.top_k < -1) {
+    return check.Invalid(
+        "top_k",
+        absl::StrCat("must be >= 0, or -1 (0 and -1 = off), got ", p.top_k));
+  }
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
+    return check.Invalid(
+        "top_p",
+        absl::StrCat("must be in (0, 1] (1 = off), got ", FloatStr(p.top_p)));
+  }
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) {
+    return check.Invalid(
+        "min_p",
+        absl::StrCat("must be in [0, 1] (0 = off), got ", FloatStr(p.min_p)));
+  }
+  for (size_t i = 0; i < p.logit_bias.size(); ++i) {
+    const std::string name = absl::StrCat("logit_bias[", i, "]");
+    const TokenBias& b = p.logit_bias[i];
+    if (absl::Status s = check.TokenId(name + ".token_id", b.token_id);
+        !s.ok()) {
+      return s;
+    }
+    if (rules.wire) {
+      if (absl::Status s = check.Finite(name + ".bias", b.bias); !s.ok())
+        return s;
+    } else if (std::isnan(b.bias) ||
+               b.bias == std::numeric_limits<float>::infinity()) {
+      return check.Invalid(name + ".bias",
+                           absl::StrCat("must be finite or -inf (a ban), got ",
+                                        FloatStr(b.bias)));
+    }
+  }
+  for (size_t i = 0; i < p.banned_token_ids.size(); ++i) {
+    if (absl::Status s = check.TokenId(
+            absl::StrCat("banned_token_ids[", i, "]"), p.banned_token_ids[i]);
+        !s.ok()) {
+      return s;
+    }
+  }
+  const int64_t words = (vocab_size + 31) / 32;
+  if (!p.allowed_bitmask.empty() &&
+      static_cast<int64_t>(p.allowed_bitmask.size()) != words) {
+    return check.Invalid("allowed_token_bitmask",
+                         absl::StrCat("must be empty or hold ceil(V / 32) = ",
+                                      words, " int32 words (V = ", vocab_size,
+                                      "), got ", p.allowed_bitmask.size()));
+  }
+  // Sampling from an empty set has no answer.
+  if (rules.wire &&
+      (!p.allowed_bitmask.empty() || !p.banned_token_ids.empty()) &&
+      !LeavesAToken(p, vocab_size)) {
+    return check.Invalid(p.allowed_bitmask.empty() ? "banned_token_ids"
+                                                   : "allowed_token_bitmask",
+                         "must leave at least one token of the vocabulary "
+                         "allowed");
+  }
+  if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0.0f) {
+    return check.Invalid("repetition_penalty",
+                         absl::StrCat("must be finite and > 0 (1 = off), got ",
+                                      FloatStr(p.repetition_penalty)));
+  }
+  if (absl::Status s = check.Finite("presence_penalty", p.presence_penalty);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = check.Finite("frequency_penalty", p.frequency_penalty);
+      !s.ok()) {
+    return s;
+  }
+  for (size_t i = 0; i < p.prompt_token_ids.size(); ++i) {
+    if (absl::Status s = check.TokenId(
+            absl::StrCat("prompt_token_ids[", i, "]"), p.prompt_token_ids[i]);
+        !s.ok()) {
+      return s;
+    }
+  }
+  for (size_t i = 0; i < p.output_token_counts.size(); ++i) {
+    const std::string name = absl::StrCat("output_token_counts[", i, "]");
+    const TokenCount& c = p.output_token_counts[i];
+    if (absl::Status s = check.TokenId(name + ".token_id", c.token_id);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            check.Range(name + ".count", c.count, rules.wire ? 1 : 0, kNoCap);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = check.Range("n", p.n, 1, rules.max_n); !s.ok()) return s;
+  return check.Range("logprobs.top_logprobs", p.logprobs.top_n, 0,
+                     rules.max_top_logprobs);
+}
+
+namespace {
+
 bool Contains(const std::vector<std::string>& names, const char* name) {
   for (const std::string& s : names) {
     if (s == name) return true;
@@ -50,7 +235,7 @@ std::string FirstUnsupportedControl(const SamplingParams& p,
     bool used;
   } kUses[] = {
       {"temperature", p.temperature != 1.0f},
-      {"top_k", p.top_k != 0},
+      {"top_k", p.top_k > 0},
       {"top_p", p.top_p != 1.0f},
       {"min_p", p.min_p != 0.0f},
       {"logit_bias", !p.logit_bias.empty()},

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "common/dtype.h"
 
 namespace flashsampler {
@@ -31,11 +33,11 @@ struct LogprobRequest {
   bool any() const { return sampled || logsumexp || top_n > 0; }
 };
 
-// Controls of one row, already range-checked against the model (token ids
-// < V, bitmask length ceil(V / 32), ...). Defaults are "off".
+// Controls of one row; ValidateSamplingParams states their ranges. Defaults
+// are "off".
 struct SamplingParams {
   float temperature = 1.0f;  // 0 = greedy
-  int32_t top_k = 0;         // 0 = off
+  int32_t top_k = 0;         // 0 or -1 = off; >= V keeps every token
   float top_p = 1.0f;        // 1 = off
   float min_p = 0.0f;        // 0 = off
   std::vector<TokenBias> logit_bias;
@@ -53,6 +55,45 @@ struct SamplingParams {
   // True when any per-token transform (bias, masks, penalties) is present.
   bool has_token_transforms() const;
 };
+
+// What ValidateSamplingParams holds a row to beyond the sampling semantics.
+struct SamplingRules {
+  // Largest n and logprobs.top_n. The serving layer passes the operator's
+  // --max_samples_per_row and --max_top_logprobs; engines cap neither (a
+  // row that reached them passed the caps of the daemon that decoded it).
+  int32_t max_n = 0;
+  int32_t max_top_logprobs = 0;
+  // Wire requests (docs/api.md) are also refused what is well defined but
+  // almost surely a caller's mistake: a -inf logit_bias (engines take it as
+  // a ban; the wire has banned_token_ids for that), an output count of 0
+  // (engines skip it), and masks that leave no token (engines report that
+  // row as "every token is masked" when they sample it).
+  bool wire = false;
+
+  static SamplingRules Wire(int32_t max_n, int32_t max_top_logprobs);
+  static SamplingRules Engine();
+};
+
+// The default of --max_top_logprobs, as vLLM's max_logprobs.
+inline constexpr int32_t kDefaultMaxTopLogprobs = 20;
+
+// The one check of a row's controls, shared by the request codec and every
+// engine (vLLM's semantics):
+//   temperature finite, >= 0; top_k >= 0 or -1 (0 and -1 = off, > V = all);
+//   top_p in (0, 1]; min_p in [0, 1]; repetition_penalty finite, > 0;
+//   presence / frequency_penalty finite; logit_bias finite (or -inf outside
+//   the wire); every token id (bias, banned, prompt, output counts) in
+//   [0, V); output counts >= 1 (>= 0 outside the wire); allowed_bitmask
+//   empty or ceil(V / 32) words; n in [1, max_n]; logprobs.top_n in
+//   [0, max_top_logprobs].
+// Fields are checked in that order (docs/api.md's); the first violation is
+// INVALID_ARGUMENT "<field>: <what was expected>, got <value>", where
+// <field> is `field_prefix` + "." + the field as the caller wrote it
+// ("row_params[3].top_p"; just "top_p" for an empty prefix).
+absl::Status ValidateSamplingParams(const SamplingParams& params,
+                                    int64_t vocab_size,
+                                    absl::string_view field_prefix,
+                                    const SamplingRules& rules);
 
 // Names of the sampling controls a backend may or may not implement, as they
 // appear in SampleRequest (used in UNIMPLEMENTED messages and ModelInfo).
@@ -83,7 +124,8 @@ struct RowResult {
   // the other rows of the batch are unaffected.
   std::string error;
   // Set when a fast path could not certify exactness and the row took an
-  // exact fallback (DESIGN.md rule 4); names the reason for the metric
+  // exact fallback (docs/design.md#exactness-and-refusals); names the
+  // reason for the metric
   // flashsampler_exact_fallback_total. Null otherwise.
   const char* exact_fallback = nullptr;
 };

@@ -1,18 +1,17 @@
 // Validation of SampleRequest and encoding of SampleResponse. Every check
 // names the field the way a caller wrote it ("row_params[3].top_p") and the
 // value expected, because a message like "invalid argument" costs an
-// integration engineer an afternoon.
+// integration engineer an afternoon. The sampling controls are checked by
+// ValidateSamplingParams (service/backends/sampling_params.h), the same
+// check every engine applies.
 #include "service/serving/request_codec.h"
 
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <string>
 #include <vector>
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype_convert.h"
 
@@ -23,9 +22,6 @@ namespace {
 absl::Status Invalid(absl::string_view field, absl::string_view expected) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", expected));
 }
-
-// Formats a float so that NaN and infinities read plainly in messages.
-std::string FloatStr(float v) { return absl::StrFormat("%g", v); }
 
 absl::StatusOr<DType> FromProtoDType(int dtype) {
   switch (dtype) {
@@ -44,184 +40,56 @@ absl::StatusOr<DType> FromProtoDType(int dtype) {
   }
 }
 
-absl::Status CheckTokenId(const std::string& field, int64_t token_id,
-                          int64_t vocab_size) {
-  if (token_id < 0 || token_id >= vocab_size) {
-    return Invalid(field, absl::StrCat("token id must be in [0, ", vocab_size,
-                                       "), got ", token_id));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckFinite(const std::string& field, float v) {
-  if (!std::isfinite(v)) {
-    return Invalid(field, absl::StrCat("must be finite, got ", FloatStr(v)));
-  }
-  return absl::OkStatus();
-}
-
-// Validates one SamplingParams message (field names prefixed by `prefix`,
-// e.g. "params" or "row_params[2]") and converts it.
+// Converts one SamplingParams message and validates it (field names
+// prefixed by `prefix`, e.g. "params" or "row_params[2]").
 absl::Status DecodeParams(const v1::SamplingParams& in,
                           const std::string& prefix, const CodecConfig& config,
                           SamplingParams* out) {
-  const int64_t vocab = config.vocab_size;
-  const auto field = [&prefix](absl::string_view name) {
-    return absl::StrCat(prefix, ".", name);
-  };
-
   out->temperature = in.has_temperature() ? in.temperature() : 1.0f;
-  if (!std::isfinite(out->temperature) || out->temperature < 0.0f) {
-    return Invalid(field("temperature"),
-                   absl::StrCat("must be finite and >= 0 (0 = greedy), got ",
-                                FloatStr(out->temperature)));
-  }
   out->top_k = in.top_k();
-  if (out->top_k < 0) {
-    return Invalid(field("top_k"),
-                   absl::StrCat("must be >= 0 (0 = off), got ", out->top_k));
-  }
   out->top_p = in.has_top_p() ? in.top_p() : 1.0f;
-  if (!(out->top_p > 0.0f && out->top_p <= 1.0f)) {
-    return Invalid(field("top_p"),
-                   absl::StrCat("must be in (0, 1] (1 = off), got ",
-                                FloatStr(out->top_p)));
-  }
   out->min_p = in.min_p();
-  if (!(out->min_p >= 0.0f && out->min_p <= 1.0f)) {
-    return Invalid(field("min_p"),
-                   absl::StrCat("must be in [0, 1] (0 = off), got ",
-                                FloatStr(out->min_p)));
-  }
-
   out->logit_bias.clear();
   out->logit_bias.reserve(in.logit_bias_size());
-  for (int i = 0; i < in.logit_bias_size(); ++i) {
-    const v1::TokenBias& b = in.logit_bias(i);
-    const std::string name = field(absl::StrCat("logit_bias[", i, "]"));
-    if (absl::Status s = CheckTokenId(name + ".token_id", b.token_id(), vocab);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = CheckFinite(name + ".bias", b.bias()); !s.ok()) {
-      return s;
-    }
+  for (const v1::TokenBias& b : in.logit_bias()) {
     out->logit_bias.push_back({b.token_id(), b.bias()});
   }
-
   out->banned_token_ids.assign(in.banned_token_ids().begin(),
                                in.banned_token_ids().end());
-  for (size_t i = 0; i < out->banned_token_ids.size(); ++i) {
-    if (absl::Status s =
-            CheckTokenId(field(absl::StrCat("banned_token_ids[", i, "]")),
-                         out->banned_token_ids[i], vocab);
-        !s.ok()) {
-      return s;
-    }
-  }
-
-  const int64_t mask_words = (vocab + 31) / 32;
-  if (in.allowed_token_bitmask_size() != 0 &&
-      in.allowed_token_bitmask_size() != mask_words) {
-    return Invalid(field("allowed_token_bitmask"),
-                   absl::StrCat("must be empty or hold ceil(V / 32) = ",
-                                mask_words, " int32 words (V = ", vocab,
-                                "), got ", in.allowed_token_bitmask_size()));
-  }
   out->allowed_bitmask.assign(in.allowed_token_bitmask().begin(),
                               in.allowed_token_bitmask().end());
-  // Sampling from an empty set has no answer: refuse masks (with the banned
-  // ids) that leave no token in [0, V).
-  if (!out->allowed_bitmask.empty() || !out->banned_token_ids.empty()) {
-    std::vector<uint32_t> allowed = out->allowed_bitmask;
-    if (allowed.empty()) allowed.assign(mask_words, ~0u);
-    if (vocab % 32 != 0) allowed.back() &= (1u << (vocab % 32)) - 1u;
-    for (int32_t id : out->banned_token_ids) {
-      allowed[id / 32] &= ~(1u << (id % 32));
-    }
-    bool any = false;
-    for (uint32_t w : allowed) any = any || w != 0;
-    if (!any) {
-      return Invalid(
-          field(out->allowed_bitmask.empty() ? "banned_token_ids"
-                                             : "allowed_token_bitmask"),
-          "must leave at least one token of the vocabulary allowed");
-    }
-  }
-
   out->repetition_penalty =
       in.has_repetition_penalty() ? in.repetition_penalty() : 1.0f;
-  if (!std::isfinite(out->repetition_penalty) ||
-      out->repetition_penalty <= 0.0f) {
-    return Invalid(field("repetition_penalty"),
-                   absl::StrCat("must be finite and > 0 (1 = off), got ",
-                                FloatStr(out->repetition_penalty)));
-  }
   out->presence_penalty = in.presence_penalty();
-  if (absl::Status s =
-          CheckFinite(field("presence_penalty"), out->presence_penalty);
-      !s.ok()) {
-    return s;
-  }
   out->frequency_penalty = in.frequency_penalty();
-  if (absl::Status s =
-          CheckFinite(field("frequency_penalty"), out->frequency_penalty);
-      !s.ok()) {
-    return s;
-  }
-
   out->prompt_token_ids.assign(in.prompt_token_ids().begin(),
                                in.prompt_token_ids().end());
-  for (size_t i = 0; i < out->prompt_token_ids.size(); ++i) {
-    if (absl::Status s =
-            CheckTokenId(field(absl::StrCat("prompt_token_ids[", i, "]")),
-                         out->prompt_token_ids[i], vocab);
-        !s.ok()) {
-      return s;
-    }
-  }
   out->output_token_counts.clear();
   out->output_token_counts.reserve(in.output_token_counts_size());
-  for (int i = 0; i < in.output_token_counts_size(); ++i) {
-    const v1::TokenCount& c = in.output_token_counts(i);
-    const std::string name =
-        field(absl::StrCat("output_token_counts[", i, "]"));
-    if (absl::Status s = CheckTokenId(name + ".token_id", c.token_id(), vocab);
-        !s.ok()) {
-      return s;
-    }
-    if (c.count() < 1) {
-      return Invalid(name + ".count",
-                     absl::StrCat("must be >= 1, got ", c.count()));
-    }
+  for (const v1::TokenCount& c : in.output_token_counts()) {
     out->output_token_counts.push_back({c.token_id(), c.count()});
   }
-
   out->n = in.has_n() ? in.n() : 1;
-  if (out->n < 1 || out->n > config.limits.max_samples_per_row) {
-    return Invalid(field("n"), absl::StrCat("must be in [1, ",
-                                            config.limits.max_samples_per_row,
-                                            "], got ", out->n));
-  }
-
   const v1::LogprobOptions& lp = in.logprobs();
-  if (lp.top_logprobs() < 0 ||
-      lp.top_logprobs() > config.limits.max_top_logprobs) {
-    return Invalid(
-        field("logprobs.top_logprobs"),
-        absl::StrCat("must be in [0, ", config.limits.max_top_logprobs,
-                     "], got ", lp.top_logprobs()));
-  }
-  if (lp.space() != v1::LogprobOptions::PROCESSED &&
-      lp.space() != v1::LogprobOptions::RAW) {
-    return Invalid(field("logprobs.space"),
-                   absl::StrCat("must be PROCESSED (0) or RAW (1), got ",
-                                static_cast<int>(lp.space())));
-  }
   out->logprobs.sampled = lp.sampled_logprob();
   out->logprobs.logsumexp = lp.row_logsumexp();
   out->logprobs.top_n = lp.top_logprobs();
   out->logprobs.raw = lp.space() == v1::LogprobOptions::RAW;
+
+  if (absl::Status s = ValidateSamplingParams(
+          *out, config.vocab_size, prefix,
+          SamplingRules::Wire(config.limits.max_samples_per_row,
+                              config.limits.max_top_logprobs));
+      !s.ok()) {
+    return s;
+  }
+  // The one rule of the wire alone: an enum value this build does not know.
+  if (lp.space() != v1::LogprobOptions::PROCESSED &&
+      lp.space() != v1::LogprobOptions::RAW) {
+    return Invalid(absl::StrCat(prefix, ".logprobs.space"),
+                   absl::StrCat("must be PROCESSED (0) or RAW (1), got ",
+                                static_cast<int>(lp.space())));
+  }
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "service/backends/cpu/sample.h"  // MaxGumbelNoise()
 #include "service/backends/cpu/thread_pool.h"
 #include "service/backends/sampling_params.h"
 
@@ -67,7 +68,8 @@ class CpuSampler {
   // Samples `rows` rows; `hidden` is fp32 [rows, hidden_size]. `results` is
   // resized to `rows`. Rows are independent: a row's result depends only on
   // (W, its hidden state, its spec). A row that cannot be sampled (every
-  // token masked, a non-finite logit, invalid controls) makes the call return
+  // token masked, a non-finite logit, controls refused by
+  // ValidateSamplingParams with SamplingRules::Engine()) makes the call return
   // INVALID_ARGUMENT naming the first such row; the other rows' results are
   // still filled in, each failed row carries its reason in RowResult::error
   // and empty token_ids. Rows that took the exact radix-select fallback say
@@ -115,12 +117,6 @@ class CpuSampler {
   std::vector<float> tail_tile_;
   std::unique_ptr<ThreadPool> pool_;
 };
-
-// An upper bound on every value GumbelNoise takes (about 19.4: the largest
-// noise of a block, at the top cell of its uniform, plus 2^-10); a token whose
-// fl(x + this) is below the best score so far cannot win, so its noise need
-// not be computed.
-float MaxGumbelNoise();
 
 }  // namespace flashsampler
 

@@ -299,7 +299,7 @@ std::vector<MalformedCase> MalformedCases(int64_t vocab, int64_t hidden,
     r->mutable_params()->set_temperature(nan);
   });
   add("top_k_negative", "params.top_k",
-      [](v1::SampleRequest* r) { r->mutable_params()->set_top_k(-1); });
+      [](v1::SampleRequest* r) { r->mutable_params()->set_top_k(-2); });
   add("top_p_zero", "params.top_p",
       [](v1::SampleRequest* r) { r->mutable_params()->set_top_p(0.0f); });
   add("top_p_above_one", "params.top_p",

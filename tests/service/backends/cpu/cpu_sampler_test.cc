@@ -1,7 +1,8 @@
 // CpuSampler against a slow, obviously correct reference that materializes
-// whole rows, plus the properties DESIGN.md promises: batch invariance (batch
-// size, position, chunking, threads), exact small-integer logits, each
-// transform on a hand-built case, and errors for rows that cannot be sampled.
+// whole rows, plus the properties of docs/design.md#invariance: batch
+// invariance (batch size, position, chunking, threads), exact small-integer
+// logits, each transform on a hand-built case, and errors for rows that
+// cannot be sampled.
 #include "service/backends/cpu/cpu_sampler.h"
 
 #include <gmock/gmock.h>
@@ -327,9 +328,9 @@ TEST(CpuSamplerTest, SmallIntegerLogitsEqualNaiveTripleLoopBitForBit) {
   }
 }
 
-// The core promise (DESIGN.md rule 2) with random floats, where summation
-// order matters: a row gives the same logits and tokens alone or anywhere in
-// any batch, for any chunking and thread count.
+// The core promise (docs/design.md#invariance) with random floats, where
+// summation order matters: a row gives the same logits and tokens alone or
+// anywhere in any batch, for any chunking and thread count.
 TEST(CpuSamplerTest, BatchInvariantAcrossBatchPositionChunkingAndThreads) {
   const int64_t vocab = 4099,
                 hidden = 96;  // 4096 + 3: a ragged last tile and chunk
@@ -448,7 +449,8 @@ TEST(CpuSamplerTest, MatchesWholeRowReferenceOnRandomControls) {
     for (int r = 0; r < rows; ++r) any_masked = any_masked || !want[r].ok;
     ASSERT_EQ(status.ok(), !any_masked) << status;
     // With no candidate buffer the filtered rows can only be certified by the
-    // radix-select fallback, and say so (rule 4: a counter records it).
+    // radix-select fallback, and say so (docs/design.md#exactness-and-refusals:
+    // a counter records it).
     int fallbacks = 0;
     for (const RowResult& row : out) fallbacks += row.exact_fallback != nullptr;
     if (buffer == 0) {
