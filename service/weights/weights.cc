@@ -111,6 +111,52 @@ absl::Status ErrnoStatus(int error_number, const std::string& what) {
   return absl::ErrnoToStatus(error_number, what);
 }
 
+// What a file that is not a regular file is, for error messages.
+const char* FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+absl::Status NotRegular(const std::string& path, mode_t mode) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      path, ": is ", FileKind(mode),
+      ", not a regular file; the weights must be a .safetensors file, a "
+      "model.safetensors.index.json or a directory holding either"));
+}
+
+// Opens `path` read-only and returns its descriptor, refusing anything but a
+// regular file before open() can block: open() of a FIFO waits for a writer
+// forever, and a character device such as /dev/zero never ends. The stat
+// comes first; O_NONBLOCK keeps the open itself from waiting if the path is
+// swapped for a FIFO in between, and the fstat of the opened descriptor
+// settles what was really opened. `info` receives that fstat.
+absl::StatusOr<int> OpenRegularFile(const std::string& path,
+                                    struct stat* info) {
+  if (stat(path.c_str(), info) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("stat of ", path));
+  }
+  if (!S_ISREG(info->st_mode)) return NotRegular(path, info->st_mode);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  if (fstat(fd, info) != 0) {
+    const int error_number = errno;
+    close(fd);
+    return ErrnoStatus(error_number, absl::StrCat("stat of ", path));
+  }
+  if (!S_ISREG(info->st_mode)) {
+    close(fd);
+    return NotRegular(path, info->st_mode);
+  }
+  // Regular files ignore O_NONBLOCK; clear it anyway so reads are plain.
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags >= 0) fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  return fd;
+}
+
 // Heap memory from posix_memalign, released with free().
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
@@ -133,19 +179,10 @@ absl::StatusOr<OwnedBuffer> AllocateAligned(uint64_t bytes) {
 class MappedFile {
  public:
   static absl::StatusOr<MappedFile> Open(const std::string& path) {
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
     struct stat info;
-    if (fstat(fd, &info) != 0) {
-      const int error_number = errno;
-      close(fd);
-      return ErrnoStatus(error_number, absl::StrCat("stat of ", path));
-    }
-    if (!S_ISREG(info.st_mode)) {
-      close(fd);
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": not a regular file"));
-    }
+    absl::StatusOr<int> opened = OpenRegularFile(path, &info);
+    if (!opened.ok()) return opened.status();
+    const int fd = *opened;
     MappedFile file;
     file.size_ = static_cast<size_t>(info.st_size);
     if (file.size_ > 0) {  // mmap refuses length 0; the header check reports it
@@ -349,6 +386,98 @@ absl::StatusOr<std::string> ChooseTensor(const std::string& requested,
                    ListNames(names), ". Name the tensor to load explicitly."));
 }
 
+// Elements scanned per block by the non-finite check: each block is one
+// branch-free OR-reduction the compiler vectorizes; only a block that holds a
+// bad element is searched element by element.
+constexpr size_t kScanBlock = 4096;
+// Bytes per scanning thread: below this a thread costs more than it saves.
+constexpr uint64_t kScanBytesPerThread = uint64_t{64} << 20;
+
+// An element is NaN or +-Inf exactly when all its exponent bits are set.
+template <typename Word, Word kExponent>
+size_t FirstNonFiniteIn(const Word* words, size_t begin, size_t end) {
+  for (size_t block = begin; block < end; block += kScanBlock) {
+    const size_t stop = std::min(end, block + kScanBlock);
+    Word any = 0;
+    for (size_t i = block; i < stop; ++i) {
+      any |= static_cast<Word>((words[i] & kExponent) == kExponent);
+    }
+    if (any == 0) continue;
+    for (size_t i = block; i < stop; ++i) {
+      if ((words[i] & kExponent) == kExponent) return i;
+    }
+  }
+  return end;
+}
+
+size_t FirstNonFiniteRange(DType dtype, const void* data, size_t begin,
+                           size_t end) {
+  switch (dtype) {
+    case DType::kBf16:
+      return FirstNonFiniteIn<uint16_t, 0x7f80u>(
+          static_cast<const uint16_t*>(data), begin, end);
+    case DType::kFp16:
+      return FirstNonFiniteIn<uint16_t, 0x7c00u>(
+          static_cast<const uint16_t*>(data), begin, end);
+    case DType::kFp32:
+      return FirstNonFiniteIn<uint32_t, 0x7f800000u>(
+          static_cast<const uint32_t*>(data), begin, end);
+  }
+  return end;
+}
+
+// Index of the first NaN or Inf among `count` elements of `data`, or `count`.
+// Large tensors are split over a few threads: a 2 GB mapped checkpoint is
+// faulted in by the scan, and several threads keep several reads in flight.
+size_t FirstNonFinite(DType dtype, const void* data, size_t count) {
+  const uint64_t bytes = static_cast<uint64_t>(count) * DTypeSize(dtype);
+  const uint64_t hardware =
+      std::max<uint64_t>(1, std::thread::hardware_concurrency());
+  const size_t threads = static_cast<size_t>(std::clamp<uint64_t>(
+      bytes / kScanBytesPerThread, 1, std::min<uint64_t>(hardware, 16)));
+  std::vector<size_t> first(threads, count);
+  std::vector<std::thread> workers;
+  size_t inline_from = threads;  // parts this thread scans itself
+  for (size_t t = 1; t < threads; ++t) {
+    const size_t begin = count / threads * t;
+    const size_t end = t + 1 == threads ? count : count / threads * (t + 1);
+    try {
+      workers.emplace_back([&first, t, dtype, data, begin, end] {
+        const size_t found = FirstNonFiniteRange(dtype, data, begin, end);
+        if (found != end) first[t] = found;
+      });
+    } catch (const std::system_error&) {
+      inline_from = t;  // no thread to be had: scan the rest here
+      break;
+    }
+  }
+  {
+    const size_t end = threads == 1 ? count : count / threads;
+    const size_t found = FirstNonFiniteRange(dtype, data, 0, end);
+    if (found != end) first[0] = found;
+  }
+  for (size_t t = inline_from; t < threads; ++t) {
+    const size_t begin = count / threads * t;
+    const size_t end = t + 1 == threads ? count : count / threads * (t + 1);
+    const size_t found = FirstNonFiniteRange(dtype, data, begin, end);
+    if (found != end) first[t] = found;
+  }
+  for (std::thread& worker : workers) worker.join();
+  return *std::min_element(first.begin(), first.end());
+}
+
+float ElementAsFloat(DType dtype, const void* data, size_t index) {
+  switch (dtype) {
+    case DType::kBf16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(data)[index]);
+    case DType::kFp16:
+      return HalfToFloat(static_cast<const uint16_t*>(data)[index]);
+    case DType::kFp32:
+      return static_cast<const float*>(data)[index];
+  }
+  return 0.0f;
+}
+
 class MappedWeights final : public Weights {
  public:
   MappedWeights(MappedFile file, OwnedBuffer copy)
@@ -455,6 +584,18 @@ absl::StatusOr<std::unique_ptr<Weights>> LoadSafetensorsFile(
             MADV_WILLNEED);
   }
   const void* data = copy ? static_cast<const void*>(copy.get()) : bytes;
+  // A NaN or Inf weight turns every logit of its row into NaN: each request
+  // would then fail as if the caller's hidden state were bad. Refuse the
+  // checkpoint instead, naming the first bad element.
+  const size_t elements = static_cast<size_t>(vocab * hidden);
+  const size_t bad = FirstNonFinite(*dtype, data, elements);
+  if (bad != elements) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " holds a non-finite value at row ", bad / hidden, ", column ",
+        bad % hidden, " (element ", bad,
+        "): ", absl::StrFormat("%g", ElementAsFloat(*dtype, data, bad)),
+        "; every weight of an LM head must be finite"));
+  }
   auto weights =
       std::make_unique<MappedWeights>(*std::move(file), std::move(copy));
   weights->Set(static_cast<int64_t>(vocab), static_cast<int64_t>(hidden),
@@ -464,8 +605,10 @@ absl::StatusOr<std::unique_ptr<Weights>> LoadSafetensorsFile(
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path,
                                           int64_t max_bytes) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  struct stat info;
+  absl::StatusOr<int> opened = OpenRegularFile(path, &info);
+  if (!opened.ok()) return opened.status();
+  const int fd = *opened;
   std::string contents;
   char buffer[1 << 16];
   while (true) {

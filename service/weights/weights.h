@@ -35,8 +35,11 @@ class Weights {
  public:
   // Errors: NotFound (no such file, no such tensor), DataLoss (truncated or
   // malformed checkpoint), InvalidArgument (a tensor that cannot be an LM head:
-  // rank, dtype, empty; or a bad synthetic spec), ResourceExhausted (no memory
-  // for synthetic weights). Never throws, never aborts.
+  // rank, dtype, empty, a NaN or Inf element (named by row, column and value);
+  // a source that is not a regular file, such as a FIFO, a directory where a
+  // file is expected or a device, refused before it is opened; or a bad
+  // synthetic spec), ResourceExhausted (no memory for synthetic weights).
+  // Never throws, never aborts, never blocks on a FIFO.
   static absl::StatusOr<std::unique_ptr<Weights>> Load(
       const WeightsOptions& options);
   virtual ~Weights() = default;

@@ -4,16 +4,25 @@
 // reference.
 #include "service/weights/weights.h"
 
+#include <fcntl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <limits>
+#include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -58,18 +67,24 @@ class TestDir {
   std::string path_;
 };
 
-// Raw element bits of a [rows, cols] tensor: varied patterns, NaN and inf
-// bit patterns included, so a byte-exact round trip is really checked.
+// Raw element bits of a [rows, cols] tensor: varied patterns (signs,
+// subnormals, the largest exponents) so a byte-exact round trip is really
+// checked. The loader refuses NaN and Inf, so a pattern with every exponent
+// bit set gets its lowest exponent bit cleared.
 std::vector<uint8_t> PatternBytes(DType dtype, int64_t rows, int64_t cols,
                                   uint32_t salt) {
   const size_t count = static_cast<size_t>(rows * cols);
   std::vector<uint8_t> bytes(count * DTypeSize(dtype));
   for (size_t i = 0; i < count; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(i) * 2654435761u + salt;
+    uint32_t bits = static_cast<uint32_t>(i) * 2654435761u + salt;
     if (dtype == DType::kFp32) {
+      if ((bits & 0x7f800000u) == 0x7f800000u) bits ^= 0x00800000u;
       std::memcpy(&bytes[4 * i], &bits, 4);
     } else {
-      const uint16_t half = static_cast<uint16_t>(bits >> 13);
+      const uint16_t exponent = dtype == DType::kBf16 ? 0x7f80u : 0x7c00u;
+      const uint16_t lowest = dtype == DType::kBf16 ? 0x0080u : 0x0400u;
+      uint16_t half = static_cast<uint16_t>(bits >> 13);
+      if ((half & exponent) == exponent) half ^= lowest;
       std::memcpy(&bytes[2 * i], &half, 2);
     }
   }
@@ -910,6 +925,234 @@ TEST(ParseWeightsDTypeTest, AcceptsBothNamings) {
   EXPECT_EQ(*ParseWeightsDType("float32"), DType::kFp32);
   EXPECT_EQ(ParseWeightsDType("F64").status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Defect 6: a checkpoint holding NaN or Inf loaded fine, and then every
+// Sample failed with INVALID_ARGUMENT blaming the caller's hidden state. The
+// loader must refuse it, naming the tensor, the first bad (row, column) and
+// the value, in every dtype.
+TEST(NonFiniteWeightsRegressionTest, NanOrInfWeightsRefusedAtLoad) {
+  const TestDir test_dir;
+  const std::string& dir = test_dir.path();
+  const int64_t rows = 9, cols = 16;
+  struct Case {
+    DType dtype;
+    float value;
+    int64_t row, col;
+    std::string shown;
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<Case> cases = {
+      {DType::kBf16, std::nanf(""), 5, 3, "nan"},
+      {DType::kBf16, -inf, 0, 0, "-inf"},
+      {DType::kFp16, inf, 8, 15, "inf"},
+      {DType::kFp16, std::nanf(""), 2, 7, "nan"},
+      {DType::kFp32, std::nanf(""), 4, 9, "nan"},
+      {DType::kFp32, -inf, 7, 1, "-inf"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(DTypeName(c.dtype), " ", c.shown));
+    std::vector<uint8_t> head = PatternBytes(c.dtype, rows, cols, 21);
+    const size_t at = static_cast<size_t>(c.row * cols + c.col);
+    // A second bad element later on: the message names the first one.
+    const size_t later = static_cast<size_t>(rows * cols - 1);
+    for (size_t index : {later, at}) {  // `at` last: it may be `later`
+      if (c.dtype == DType::kFp32) {
+        std::memcpy(&head[4 * index], &c.value, 4);
+      } else {
+        const uint16_t bits = c.dtype == DType::kBf16 ? FloatToBf16(c.value)
+                                                      : FloatToHalf(c.value);
+        std::memcpy(&head[2 * index], &bits, 2);
+      }
+    }
+    const std::string path =
+        absl::StrCat(dir, "/bad_", DTypeName(c.dtype), ".safetensors");
+    ASSERT_TRUE(WriteSafetensors(path, {{"lm_head.weight", c.dtype, rows, cols,
+                                         head.data()}})
+                    .ok());
+    absl::StatusOr<std::unique_ptr<Weights>> weights = LoadFrom(path);
+    ASSERT_FALSE(weights.ok());
+    EXPECT_EQ(weights.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(
+        weights.status().message(),
+        AllOf(HasSubstr("tensor 'lm_head.weight'"), HasSubstr(path),
+              HasSubstr(absl::StrCat("row ", c.row, ", column ", c.col,
+                                     " (element ", at, "): ", c.shown, ";"))));
+  }
+
+  // The largest finite values of each dtype load.
+  for (DType dtype : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    std::vector<uint8_t> head(static_cast<size_t>(rows * cols) *
+                              DTypeSize(dtype));
+    for (size_t i = 0; i < static_cast<size_t>(rows * cols); ++i) {
+      const bool negative = i % 2 == 1;
+      if (dtype == DType::kFp32) {
+        const uint32_t bits = negative ? 0xff7fffffu : 0x7f7fffffu;
+        std::memcpy(&head[4 * i], &bits, 4);
+      } else {
+        const uint16_t max = dtype == DType::kBf16 ? 0x7f7fu : 0x7bffu;
+        const uint16_t bits =
+            static_cast<uint16_t>(max | (negative ? 0x8000u : 0u));
+        std::memcpy(&head[2 * i], &bits, 2);
+      }
+    }
+    const std::string path =
+        absl::StrCat(dir, "/max_", DTypeName(dtype), ".safetensors");
+    ASSERT_TRUE(WriteSafetensors(
+                    path, {{"lm_head.weight", dtype, rows, cols, head.data()}})
+                    .ok());
+    absl::StatusOr<std::unique_ptr<Weights>> weights = LoadFrom(path);
+    ASSERT_TRUE(weights.ok()) << weights.status();
+    ExpectTensor(**weights, dtype, rows, cols, head);
+  }
+}
+
+// A tensor large enough to be scanned by several threads: the first bad
+// element wins whichever thread finds it, and the loaded tensor is intact.
+TEST(NonFiniteWeightsRegressionTest, MultiThreadedScanFindsTheFirstBadElement) {
+  const TestDir test_dir;
+  const std::string path = test_dir.path() + "/large.safetensors";
+  const int64_t rows = 20000, cols = 4096;  // 164 MB of fp16: 2+ scan threads
+  std::vector<uint8_t> head(static_cast<size_t>(rows * cols) * 2, 0);
+  ASSERT_TRUE(WriteSafetensors(path, {{"lm_head.weight", DType::kFp16, rows,
+                                       cols, head.data()}})
+                  .ok());
+  ASSERT_TRUE(LoadFrom(path).ok());
+  const uint16_t inf = 0x7c00u;
+  const int64_t late_row = rows - 3, early_row = rows / 3 + 1;
+  std::memcpy(&head[static_cast<size_t>(late_row * cols + 11) * 2], &inf, 2);
+  std::memcpy(&head[static_cast<size_t>(early_row * cols + 5) * 2], &inf, 2);
+  ASSERT_TRUE(WriteSafetensors(path, {{"lm_head.weight", DType::kFp16, rows,
+                                       cols, head.data()}})
+                  .ok());
+  absl::StatusOr<std::unique_ptr<Weights>> weights = LoadFrom(path);
+  ASSERT_FALSE(weights.ok());
+  EXPECT_THAT(weights.status().message(),
+              HasSubstr(absl::StrCat("row ", early_row, ", column 5")));
+}
+
+// Runs LoadFrom(source) on its own thread. If it has not returned within
+// `seconds`, opens `fifo` (when given) for writing to release an open() that
+// waits for a writer, and reports the hang as a test failure.
+absl::StatusOr<std::unique_ptr<Weights>> LoadWithin(const std::string& source,
+                                                    const std::string& fifo,
+                                                    int seconds) {
+  auto done = std::make_shared<
+      std::promise<absl::StatusOr<std::unique_ptr<Weights>>>>();
+  std::future<absl::StatusOr<std::unique_ptr<Weights>>> result =
+      done->get_future();
+  std::thread loader([source, done] { done->set_value(LoadFrom(source)); });
+  if (result.wait_for(std::chrono::seconds(seconds)) !=
+      std::future_status::ready) {
+    ADD_FAILURE() << "loading " << source << " did not return within "
+                  << seconds << " s";
+    if (!fifo.empty()) {
+      const int writer = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      result.wait_for(std::chrono::seconds(seconds));
+      if (writer >= 0) close(writer);
+    }
+  }
+  if (result.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    loader.detach();  // still stuck: leave it rather than hang the suite
+    return absl::DeadlineExceededError("load hung");
+  }
+  loader.join();
+  return result.get();
+}
+
+// Defect 8: --weights naming a FIFO hung forever in open(); so did an index
+// or a shard that is one. Every non-regular file is refused before open()
+// with a message saying what it is.
+TEST(NonRegularWeightsRegressionTest, FifoWeightsRefusedWithoutHanging) {
+  const TestDir test_dir;
+  const std::string& dir = test_dir.path();
+  const std::string fifo = dir + "/pipe.safetensors";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << strerror(errno);
+  absl::StatusOr<std::unique_ptr<Weights>> weights = LoadWithin(fifo, fifo, 10);
+  ASSERT_FALSE(weights.ok());
+  EXPECT_EQ(weights.status().code(), absl::StatusCode::kInvalidArgument)
+      << weights.status();
+  EXPECT_THAT(weights.status().message(),
+              AllOf(HasSubstr(fifo), HasSubstr("FIFO"),
+                    HasSubstr("not a regular file")));
+
+  // An index that is a FIFO.
+  const std::string fifo_index = dir + "/model.safetensors.index.json";
+  ASSERT_EQ(mkfifo(fifo_index.c_str(), 0600), 0) << strerror(errno);
+  weights = LoadWithin(fifo_index, fifo_index, 10);
+  ASSERT_FALSE(weights.ok());
+  EXPECT_THAT(weights.status().message(),
+              AllOf(HasSubstr(fifo_index), HasSubstr("FIFO")));
+  // The same index found by naming its directory.
+  weights = LoadWithin(dir, fifo_index, 10);
+  ASSERT_FALSE(weights.ok());
+  EXPECT_THAT(weights.status().message(),
+              AllOf(HasSubstr(fifo_index), HasSubstr("FIFO")));
+
+  // A shard that is a FIFO, reached through a regular index.
+  const std::string sharded = dir + "/sharded";
+  ASSERT_EQ(mkdir(sharded.c_str(), 0755), 0);
+  const std::string fifo_shard = sharded + "/model-00001.safetensors";
+  ASSERT_EQ(mkfifo(fifo_shard.c_str(), 0600), 0) << strerror(errno);
+  WriteFile(sharded + "/model.safetensors.index.json",
+            R"({"weight_map": {"lm_head.weight": "model-00001.safetensors"}})");
+  weights = LoadWithin(sharded, fifo_shard, 10);
+  ASSERT_FALSE(weights.ok());
+  EXPECT_THAT(weights.status().message(),
+              AllOf(HasSubstr(fifo_shard), HasSubstr("FIFO")));
+}
+
+TEST(NonRegularWeightsRegressionTest, DevicesDirectoriesAndSocketsRefused) {
+  const TestDir test_dir;
+  const std::string& dir = test_dir.path();
+  // A character device that never ends.
+  absl::StatusOr<std::unique_ptr<Weights>> weights =
+      LoadWithin("/dev/zero", "", 10);
+  ASSERT_FALSE(weights.ok());
+  EXPECT_EQ(weights.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(weights.status().message(),
+              AllOf(HasSubstr("/dev/zero"), HasSubstr("character device")));
+
+  // A directory where the index names a shard file.
+  const std::string sharded = dir + "/sharded";
+  ASSERT_EQ(mkdir(sharded.c_str(), 0755), 0);
+  ASSERT_EQ(mkdir((sharded + "/shard.safetensors").c_str(), 0755), 0);
+  const std::string index = sharded + "/model.safetensors.index.json";
+  WriteFile(index,
+            R"({"weight_map": {"lm_head.weight": "shard.safetensors"}})");
+  weights = LoadWithin(index, "", 10);
+  ASSERT_FALSE(weights.ok());
+  EXPECT_EQ(weights.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(weights.status().message(),
+              AllOf(HasSubstr("shard.safetensors"), HasSubstr("directory")));
+
+  // A directory named model.safetensors inside the weights directory.
+  const std::string nested = dir + "/nested";
+  ASSERT_EQ(mkdir(nested.c_str(), 0755), 0);
+  ASSERT_EQ(mkdir((nested + "/model.safetensors").c_str(), 0755), 0);
+  weights = LoadWithin(nested, "", 10);
+  ASSERT_FALSE(weights.ok());
+  EXPECT_THAT(weights.status().message(),
+              AllOf(HasSubstr("model.safetensors"), HasSubstr("directory")));
+
+  // A listening Unix socket.
+  const std::string socket_path = dir + "/sock.safetensors";
+  const int listener = socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  ASSERT_LT(socket_path.size(), sizeof(address.sun_path));
+  std::memcpy(address.sun_path, socket_path.c_str(), socket_path.size() + 1);
+  ASSERT_EQ(
+      bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0)
+      << strerror(errno);
+  ASSERT_EQ(listen(listener, 1), 0);
+  weights = LoadWithin(socket_path, "", 10);
+  close(listener);
+  ASSERT_FALSE(weights.ok());
+  EXPECT_THAT(weights.status().message(),
+              AllOf(HasSubstr(socket_path), HasSubstr("socket")));
 }
 
 }  // namespace
