@@ -21,7 +21,7 @@ packages=(
   # statistical tests and the manifest checks
   python3-grpcio python3-protobuf python3-numpy python3-scipy
   python3-matplotlib python3-yaml python3-pip python3-setuptools
-  python3-wheel
+  python3-wheel python3-venv
 )
 
 missing=()
@@ -33,14 +33,24 @@ for package in "${packages[@]}"; do
 done
 if ((${#missing[@]} == 0)); then
   echo "install_deps: all ${#packages[@]} packages present"
-  exit 0
+else
+  echo "install_deps: installing ${missing[*]}"
+  sudo=()
+  if ((EUID != 0)); then
+    sudo=(sudo)
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo[@]}" apt-get update
+  "${sudo[@]}" apt-get install -y --no-install-recommends "${packages[@]}"
 fi
 
-echo "install_deps: installing ${missing[*]}"
-sudo=()
-if ((EUID != 0)); then
-  sudo=(sudo)
+# The Kubernetes JSON schemas the deployment tests validate every rendered
+# object against. Not in Debian: installed for this user only (never into
+# the system's Python), pinned to the Kubernetes version the tests name.
+kubernetes_validate=kubernetes-validate==1.32.0
+if ! /usr/bin/python3 -c 'import kubernetes_validate' 2>/dev/null; then
+  echo "install_deps: pip install --user $kubernetes_validate"
+  /usr/bin/python3 -m pip install --quiet --user --break-system-packages \
+    --no-warn-script-location \
+    "$kubernetes_validate"
 fi
-export DEBIAN_FRONTEND=noninteractive
-"${sudo[@]}" apt-get update
-"${sudo[@]}" apt-get install -y --no-install-recommends "${packages[@]}"
