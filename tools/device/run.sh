@@ -7,7 +7,8 @@
 #
 #   tools/device/run.sh <outdir> [tests|bench|all]
 #
-# The bench also times the fused / cuBLAS pair at B = 128 and 256 again with
+# The bench also runs fs_controls_bench (FS_CONTROLS_BENCH=0 skips it) and
+# times the fused / cuBLAS pair at B = 128 and 256 again with
 # 1000 calls per method (results_steady.csv; FS_BENCH_STEADY=0 skips it):
 # there every method runs at the GPU's power cap, and a 100-call median moves
 # with its place in the run (docs/performance.md#how-the-kernel-is-measured).
@@ -99,6 +100,14 @@ if [[ $mode == bench || $mode == all ]]; then
   fi
   if [[ -f $out/results.csv ]]; then
     python3 "$bundle/plot_bench.py" "$out/results.csv" "$out/bench.png" 2>&1 | tee -a "$log"
+  fi
+  if [[ ${FS_CONTROLS_BENCH:-1} != 0 ]]; then
+    # The sampling controls against the plain fused sampler and cuBLAS +
+    # the same exact sampler (results_controls.csv).
+    say "== fs_controls_bench"
+    timeout "${FS_BENCH_TIMEOUT:-300}" "$bundle/bin/fs_controls_bench" \
+      --out "$out" ${FS_CONTROLS_BENCH_ARGS:-} 2>&1 | tee -a "$log"
+    summary+=("$(printf '%-28s rc=%s' fs_controls_bench "${PIPESTATUS[0]}")")
   fi
   if [[ ${FS_BENCH_STEADY:-1} != 0 ]]; then
     say "== fs_bench, steady state: 1000 calls per method at B = 128 and 256"

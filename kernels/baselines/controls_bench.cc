@@ -1,0 +1,468 @@
+// fs_controls_bench: what the sampling controls cost on the GPU, against the
+// plain fused sampler and the unfused pipelines, in one run on the same data.
+// The controlled path is the CUDA backend's: the fused kernel writes fp32
+// logits (FusedSampleParams::logits_out) and the exact controlled sampler
+// (kernels/controls/) runs over them. The unfused baseline is cuBLAS's GEMM
+// with fp32 logits and the same exact sampler. Median of --iters calls after
+// --warmup calls, L2 flushed before each (bench_timer.h). Writes
+// results_controls.csv into --out and prints one table.
+//
+//   fs_controls_bench --out DIR [--configs qwen,llama]
+//                     [--batches 1,16,64,128,256] [--iters 50] [--warmup 10]
+//
+// Hidden states: "flat" rows are fs_bench's inputs (logits' std about 2.5,
+// softmax entropy near ln V); "peaked" rows scale them until the mean
+// softmax entropy of the first rows is about 2.5 nats, the spread of a
+// language model's next-token distribution (the printed entropies say what
+// each run used).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/baselines/baselines.h"
+#include "kernels/baselines/bench_timer.h"
+#include "kernels/controls/controlled_plan.h"
+#include "kernels/controls/controlled_sampler.h"
+#include "kernels/sampler/fused_sampler.h"
+
+namespace flashsampler {
+namespace {
+
+struct Options {
+  std::string out_dir = ".";
+  std::vector<std::string> configs = {"qwen", "llama"};
+  std::vector<int> batches = {1, 16, 64, 128, 256};
+  int iters = 50;
+  int warmup = 10;
+};
+
+struct ModelConfig {
+  std::string name;
+  int64_t vocab;
+  int hidden;
+  float scale;  // as fs_bench: inputs uniform in [-scale, scale)
+};
+
+std::vector<std::string> Split(const std::string& text) {
+  std::vector<std::string> parts;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    const size_t end = text.find(',', begin);
+    const size_t stop = end == std::string::npos ? text.size() : end;
+    if (stop > begin) parts.push_back(text.substr(begin, stop - begin));
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return parts;
+}
+
+bool ParseOptions(int argc, char** argv, Options* options) {
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    const std::string value = argv[i + 1];
+    if (flag == "--out") {
+      options->out_dir = value;
+    } else if (flag == "--configs") {
+      options->configs = Split(value);
+    } else if (flag == "--batches") {
+      options->batches.clear();
+      for (const std::string& b : Split(value)) {
+        options->batches.push_back(std::atoi(b.c_str()));
+      }
+    } else if (flag == "--iters") {
+      options->iters = std::atoi(value.c_str());
+    } else if (flag == "--warmup") {
+      options->warmup = std::atoi(value.c_str());
+    } else {
+      std::fprintf(stderr, "fs_controls_bench: unknown flag %s\n",
+                   flag.c_str());
+      return false;
+    }
+  }
+  if (argc % 2 == 0) {
+    std::fprintf(stderr, "fs_controls_bench: flag %s has no value\n",
+                 argv[argc - 1]);
+    return false;
+  }
+  for (int b : options->batches) {
+    if (b < 1 || b > kMaxFusedBatch) {
+      std::fprintf(stderr, "fs_controls_bench: batch %d outside 1..%d\n", b,
+                   kMaxFusedBatch);
+      return false;
+    }
+  }
+  return options->iters > 0 && options->warmup >= 0;
+}
+
+// Softmax entropy (nats) of `logits` scaled by `factor`.
+double Entropy(const std::vector<float>& logits, double factor) {
+  double max = -INFINITY;
+  for (float l : logits) max = std::max(max, factor * l);
+  double z = 0, weighted = 0;
+  for (float l : logits) {
+    const double d = factor * l - max;
+    const double e = std::exp(d);
+    z += e;
+    weighted += e * d;
+  }
+  return std::log(z) - weighted / z;
+}
+
+// The controls each controlled method applies to every row of its batch.
+struct Controls {
+  std::string name;
+  bool peaked = true;  // hidden states: peaked (true) or flat rows
+  float temperature = 0.8f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  bool everything = false;  // + bias, penalties, half-vocabulary bitmask,
+                            // sampled logprob and top-5
+};
+
+// The row lists of Controls::everything, shared by every row: 64 logit_bias
+// entries, a 64-id penalty history (prompt and output ids, all three
+// penalties) and a bitmask allowing every other token.
+struct EverythingLists {
+  std::vector<int32_t> bias_ids, prompt_ids, output_ids, output_counts;
+  std::vector<float> bias_values;
+  std::vector<uint32_t> bitmask;
+
+  explicit EverythingLists(int64_t vocab) {
+    for (int i = 0; i < 64; ++i) {
+      bias_ids.push_back(static_cast<int32_t>((i * 2 * 7919) % vocab) & ~1);
+      bias_values.push_back(0.5f - 0.015625f * i);
+      prompt_ids.push_back(static_cast<int32_t>((i * 2 * 104729) % vocab) & ~1);
+      output_ids.push_back(static_cast<int32_t>((i * 2 * 1299709) % vocab) &
+                           ~1);
+      output_counts.push_back(1 + i % 4);
+    }
+    bitmask.assign((vocab + 31) / 32, 0x55555555u);  // even ids allowed
+  }
+};
+
+ControlledPlan MakePlan(const Controls& controls, const EverythingLists& lists,
+                        int batch) {
+  ControlledPlan plan;
+  for (int b = 0; b < batch; ++b) {
+    ControlledRowInput in;
+    in.temperature = controls.temperature;
+    in.top_k = controls.top_k;
+    in.top_p = controls.top_p;
+    in.min_p = controls.min_p;
+    in.seed = 0x9e3779b97f4a7c15ull * (b + 1);
+    in.step = 1000 + b;
+    if (controls.everything) {
+      in.bias_ids = lists.bias_ids.data();
+      in.bias_values = lists.bias_values.data();
+      in.num_bias = lists.bias_ids.size();
+      in.prompt_ids = lists.prompt_ids.data();
+      in.num_prompt = lists.prompt_ids.size();
+      in.output_ids = lists.output_ids.data();
+      in.output_counts = lists.output_counts.data();
+      in.num_output = lists.output_ids.size();
+      in.repetition_penalty = 1.1f;
+      in.presence_penalty = 0.5f;
+      in.frequency_penalty = 0.3f;
+      in.allowed_bitmask = lists.bitmask.data();
+      in.bitmask_words = lists.bitmask.size();
+      in.top_n = 5;
+      in.logprob_flags = kLogprobSampled;
+    }
+    plan.AddRow(in);
+  }
+  return plan;
+}
+
+bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
+               cudaStream_t stream, cublasHandle_t cublas, FILE* csv) {
+  const int64_t vocab = config.vocab;
+  const int hidden = config.hidden;
+  const int max_batch = kMaxFusedBatch;
+  const size_t weight_bytes = static_cast<size_t>(vocab) * hidden * 2;
+  void* weights = nullptr;
+  void* flat = nullptr;
+  void* peaked = nullptr;
+  float* logits = nullptr;
+  int32_t* tokens = nullptr;
+  float* inv_temperature = nullptr;
+  uint64_t* seeds = nullptr;
+  uint64_t* steps = nullptr;
+  void* fused_workspace = nullptr;
+  void* controlled_workspace = nullptr;
+  void* plan_bytes = nullptr;
+  int32_t* out_tokens = nullptr;
+  float* out_logprobs = nullptr;
+  int32_t* out_top_ids = nullptr;
+  float* out_top_logprobs = nullptr;
+  int32_t* out_top_count = nullptr;
+  int32_t* out_status = nullptr;
+  int32_t* out_error_token = nullptr;
+  constexpr size_t kPlanBytes = 64u << 20;
+  constexpr int kMaxTopN = 8;
+  const size_t fused_workspace_bytes =
+      FusedSampleWorkspaceSize(max_batch, vocab, hidden);
+  const size_t controlled_workspace_bytes =
+      ControlledSampleWorkspaceSize(max_batch, vocab);
+  const size_t hidden_bytes = static_cast<size_t>(max_batch) * hidden * 2;
+  BENCH_CHECK(cudaMalloc(&weights, weight_bytes));
+  BENCH_CHECK(cudaMalloc(&flat, hidden_bytes));
+  BENCH_CHECK(cudaMalloc(&peaked, hidden_bytes));
+  BENCH_CHECK(cudaMalloc(&logits, sizeof(float) * max_batch * vocab));
+  BENCH_CHECK(cudaMalloc(&tokens, sizeof(int32_t) * max_batch));
+  BENCH_CHECK(cudaMalloc(&inv_temperature, sizeof(float) * max_batch));
+  BENCH_CHECK(cudaMalloc(&seeds, sizeof(uint64_t) * max_batch));
+  BENCH_CHECK(cudaMalloc(&steps, sizeof(uint64_t) * max_batch));
+  BENCH_CHECK(cudaMalloc(&fused_workspace, fused_workspace_bytes));
+  BENCH_CHECK(cudaMemset(fused_workspace, 0, fused_workspace_bytes));
+  BENCH_CHECK(cudaMalloc(&controlled_workspace, controlled_workspace_bytes));
+  BENCH_CHECK(cudaMalloc(&plan_bytes, kPlanBytes));
+  BENCH_CHECK(cudaMalloc(&out_tokens, sizeof(int32_t) * max_batch));
+  BENCH_CHECK(cudaMalloc(&out_logprobs, sizeof(float) * max_batch));
+  BENCH_CHECK(cudaMalloc(&out_top_ids, sizeof(int32_t) * max_batch * kMaxTopN));
+  BENCH_CHECK(
+      cudaMalloc(&out_top_logprobs, sizeof(float) * max_batch * kMaxTopN));
+  BENCH_CHECK(cudaMalloc(&out_top_count, sizeof(int32_t) * max_batch));
+  BENCH_CHECK(cudaMalloc(&out_status, sizeof(int32_t) * max_batch));
+  BENCH_CHECK(cudaMalloc(&out_error_token, sizeof(int32_t) * max_batch));
+  BENCH_CHECK(LaunchFillUniform(weights, vocab * hidden, DType::kBf16, 0x1234,
+                                config.scale, stream));
+  BENCH_CHECK(LaunchFillUniform(flat, static_cast<int64_t>(max_batch) * hidden,
+                                DType::kBf16, 0x5678, config.scale, stream));
+  std::vector<float> host_inv_t(max_batch, 1.0f / 0.8f);
+  std::vector<uint64_t> host_seeds(max_batch), host_steps(max_batch);
+  for (int b = 0; b < max_batch; ++b) {
+    host_seeds[b] = 0x9e3779b97f4a7c15ull * (b + 1);
+    host_steps[b] = 1000 + b;
+  }
+  BENCH_CHECK(cudaMemcpy(inv_temperature, host_inv_t.data(),
+                         sizeof(float) * max_batch, cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMemcpy(seeds, host_seeds.data(), sizeof(uint64_t) * max_batch,
+                         cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMemcpy(steps, host_steps.data(), sizeof(uint64_t) * max_batch,
+                         cudaMemcpyHostToDevice));
+
+  // hidden: which rows; logits_out: also write fp32 logits.
+  auto fused = [&](const void* h, int batch, float* logits_out) {
+    FusedSampleParams params;
+    params.weights = weights;
+    params.hidden = h;
+    params.hidden_capacity_rows = max_batch;
+    params.dtype = DType::kBf16;
+    params.vocab_rows = vocab;
+    params.hidden_size = hidden;
+    params.batch = batch;
+    params.inv_temperature = inv_temperature;
+    params.seeds = seeds;
+    params.steps = steps;
+    params.token_ids = tokens;
+    params.logits_out = logits_out;
+    return LaunchFusedSample(params, fused_workspace, fused_workspace_bytes,
+                             stream);
+  };
+
+  // The peaked rows: the flat rows scaled so that the first rows' mean
+  // softmax entropy (T = 1) is about 2.5 nats; logits scale with h.
+  constexpr int kProbeRows = 8;
+  BENCH_CHECK(fused(flat, kProbeRows, logits));
+  std::vector<float> probe(static_cast<size_t>(kProbeRows) * vocab);
+  BENCH_CHECK(cudaMemcpy(probe.data(), logits, sizeof(float) * probe.size(),
+                         cudaMemcpyDeviceToHost));
+  auto mean_entropy = [&](double factor) {
+    double sum = 0;
+    for (int r = 0; r < kProbeRows; ++r) {
+      std::vector<float> row(probe.begin() + r * vocab,
+                             probe.begin() + (r + 1) * vocab);
+      sum += Entropy(row, factor);
+    }
+    return sum / kProbeRows;
+  };
+  double lo = 1.0, hi = 64.0;  // entropy falls as the factor grows
+  for (int i = 0; i < 40; ++i) {
+    const double mid = std::sqrt(lo * hi);
+    (mean_entropy(mid) > 2.5 ? lo : hi) = mid;
+  }
+  const double factor = hi;
+  // Logits are linear in h: the same uniform draws at factor x the scale
+  // give factor x the logits (up to bf16 rounding).
+  BENCH_CHECK(LaunchFillUniform(
+      peaked, static_cast<int64_t>(max_batch) * hidden, DType::kBf16, 0x5678,
+      static_cast<float>(config.scale * factor), stream));
+  std::printf(
+      "[%s] flat rows: entropy %.2f nats (T = 1); peaked rows: inputs x%.2f, "
+      "entropy %.2f nats\n",
+      config.name.c_str(), mean_entropy(1.0), factor, mean_entropy(factor));
+
+  const EverythingLists lists(vocab);
+  const std::vector<Controls> controlled = {
+      {"topk50_topp0.9_minp0.05", true, 0.8f, 50, 0.9f, 0.05f, false},
+      {"everything", true, 0.8f, 50, 0.9f, 0.05f, true},
+      {"topp0.9", true, 0.8f, 0, 0.9f, 0.0f, false},
+      {"topp0.95", true, 0.8f, 0, 0.95f, 0.0f, false},
+      {"topp0.9_flat", false, 0.8f, 0, 0.9f, 0.0f, false},
+  };
+
+  for (int batch : options.batches) {
+    struct Result {
+      std::string method;
+      Stats stats;
+    };
+    std::vector<Result> results;
+    auto time = [&](const std::string& name,
+                    const std::function<cudaError_t()>& launch) {
+      Stats stats;
+      if (!timer.Run(options.warmup, launch, &stats)) return false;
+      results.push_back({name, stats});
+      return true;
+    };
+    if (!time("fused_plain", [&] { return fused(peaked, batch, nullptr); }) ||
+        !time("cublas_only", [&] {
+          return CublasLogits(cublas, weights, peaked, DType::kBf16, vocab,
+                              hidden, batch, logits, DType::kBf16, stream);
+        })) {
+      return false;
+    }
+    for (const Controls& controls : controlled) {
+      const ControlledPlan plan = MakePlan(controls, lists, batch);
+      const std::vector<unsigned char> bytes = plan.bytes();
+      if (bytes.size() > kPlanBytes) {
+        std::fprintf(stderr, "fs_controls_bench: plan of %zu bytes\n",
+                     bytes.size());
+        return false;
+      }
+      BENCH_CHECK(cudaMemcpy(plan_bytes, bytes.data(), bytes.size(),
+                             cudaMemcpyHostToDevice));
+      ControlledSampleParams params;
+      plan.BindInputs(plan_bytes, vocab, &params);
+      params.logits = logits;
+      params.logits_row_stride = vocab;
+      params.token_ids = out_tokens;
+      params.sampled_logprobs = out_logprobs;
+      params.top_token_ids = out_top_ids;
+      params.top_logprobs = out_top_logprobs;
+      params.top_count = out_top_count;
+      params.status = out_status;
+      params.error_token = out_error_token;
+      if (params.max_samples > 1 || params.max_top_n > kMaxTopN) {
+        std::fprintf(stderr, "fs_controls_bench: outputs too small\n");
+        return false;
+      }
+      const void* h = controls.peaked ? peaked : flat;
+      auto sample = [&] {
+        return LaunchControlledSample(params, controlled_workspace,
+                                      controlled_workspace_bytes, stream);
+      };
+      if (!time("fused_" + controls.name,
+                [&] {
+                  const cudaError_t error = fused(h, batch, logits);
+                  return error != cudaSuccess ? error : sample();
+                }) ||
+          !time("cublas_" + controls.name, [&] {
+            const cudaError_t error =
+                CublasLogits(cublas, weights, h, DType::kBf16, vocab, hidden,
+                             batch, logits, DType::kFp32, stream);
+            return error != cudaSuccess ? error : sample();
+          })) {
+        return false;
+      }
+      // Every row must have sampled: a failed row would time nothing.
+      std::vector<int32_t> status(batch);
+      BENCH_CHECK(cudaMemcpy(status.data(), out_status, sizeof(int32_t) * batch,
+                             cudaMemcpyDeviceToHost));
+      for (int b = 0; b < batch; ++b) {
+        if (status[b] != kControlledOk) {
+          std::fprintf(stderr, "fs_controls_bench: %s row %d status %d\n",
+                       controls.name.c_str(), b, status[b]);
+          return false;
+        }
+      }
+    }
+    const double plain = results[0].stats.median_us;
+    for (const Result& r : results) {
+      std::fprintf(csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.4f\n",
+                   config.name.c_str(), static_cast<long long>(vocab), hidden,
+                   batch, r.method.c_str(), r.stats.median_us, r.stats.p10_us,
+                   r.stats.p90_us, r.stats.median_us / plain);
+      std::printf("[%s] B=%3d %-34s %9.1f us  %6.3fx fused_plain\n",
+                  config.name.c_str(), batch, r.method.c_str(),
+                  r.stats.median_us, r.stats.median_us / plain);
+    }
+    std::fflush(csv);
+    std::fflush(stdout);
+  }
+  for (void* pointer :
+       {weights, flat, peaked, static_cast<void*>(logits),
+        static_cast<void*>(tokens), static_cast<void*>(inv_temperature),
+        static_cast<void*>(seeds), static_cast<void*>(steps), fused_workspace,
+        controlled_workspace, plan_bytes, static_cast<void*>(out_tokens),
+        static_cast<void*>(out_logprobs), static_cast<void*>(out_top_ids),
+        static_cast<void*>(out_top_logprobs), static_cast<void*>(out_top_count),
+        static_cast<void*>(out_status), static_cast<void*>(out_error_token)}) {
+    BENCH_CHECK(cudaFree(pointer));
+  }
+  return true;
+}
+
+bool Main(int argc, char** argv) {
+  Options options;
+  if (!ParseOptions(argc, argv, &options)) return false;
+  cudaDeviceProp prop;
+  int device = 0;
+  BENCH_CHECK(cudaGetDevice(&device));
+  BENCH_CHECK(cudaGetDeviceProperties(&prop, device));
+  cudaStream_t stream;
+  BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cublasHandle_t cublas;
+  if (cublasCreate(&cublas) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "fs_controls_bench: cublasCreate failed\n");
+    return false;
+  }
+  Timer timer;
+  if (!timer.Init(options.iters, 2 * static_cast<size_t>(prop.l2CacheSize),
+                  stream)) {
+    return false;
+  }
+  const std::string path = options.out_dir + "/results_controls.csv";
+  FILE* csv = std::fopen(path.c_str(), "w");
+  if (csv == nullptr) {
+    std::fprintf(stderr, "fs_controls_bench: cannot write %s\n", path.c_str());
+    return false;
+  }
+  std::printf("fs_controls_bench on %s, %d calls after %d warm-up\n", prop.name,
+              options.iters, options.warmup);
+  std::fprintf(csv,
+               "config,vocab,hidden,batch,method,median_us,p10_us,p90_us,"
+               "over_fused_plain\n");
+  const std::vector<ModelConfig> known = {
+      {"qwen", 151936, 4096, 0.35f},
+      {"llama", 128256, 8192, 0.29f},
+  };
+  for (const std::string& name : options.configs) {
+    const auto it =
+        std::find_if(known.begin(), known.end(),
+                     [&](const ModelConfig& c) { return c.name == name; });
+    if (it == known.end()) {
+      std::fprintf(stderr, "fs_controls_bench: unknown config %s\n",
+                   name.c_str());
+      return false;
+    }
+    if (!RunConfig(*it, options, timer, stream, cublas, csv)) return false;
+  }
+  std::fclose(csv);
+  cublasDestroy(cublas);
+  return true;
+}
+
+}  // namespace
+}  // namespace flashsampler
+
+int main(int argc, char** argv) {
+  return flashsampler::Main(argc, argv) ? 0 : 1;
+}
