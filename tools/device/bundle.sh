@@ -61,7 +61,7 @@ for target in "${optional[@]}"; do
     echo "bundle: full log in $build/$target.log" >&2
     exit 1
   fi
-  binaries+=("$(find "$build" -type f -name "$target" -perm -u+x | head -1)")
+  binaries+=("$build/bin/$target")
 done
 
 staging=$build/bundle_staging
