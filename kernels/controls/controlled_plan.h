@@ -152,12 +152,31 @@ class ControlledPlan {
   int max_samples() const { return max_samples_; }
   int max_top_n() const { return max_top_n_; }
 
-  // Every input array in one buffer, each at a 256-byte aligned offset.
-  std::vector<unsigned char> bytes() const {
-    Layout layout = MakeLayout();
-    std::vector<unsigned char> out(layout.total, 0);
-    auto put = [&out](size_t offset, const void* data, size_t size) {
-      if (size > 0) std::memcpy(out.data() + offset, data, size);
+  // Forgets every row but keeps the arrays' capacity, so a caller packing
+  // batch after batch into one plan stops allocating once it has seen its
+  // largest batch.
+  void Clear() {
+    rows_.clear();
+    special_ids_.clear();
+    special_flags_.clear();
+    special_bias_.clear();
+    special_count_.clear();
+    bitmask_.clear();
+    max_samples_ = 1;
+    max_top_n_ = 0;
+  }
+
+  // Size of bytes(): every array at a 256-byte aligned offset.
+  size_t byte_size() const { return MakeLayout().total; }
+
+  // Writes bytes() into `out` (byte_size() bytes, e.g. pinned staging)
+  // without building a vector; padding bytes are zero.
+  void WriteBytes(void* out) const {
+    const Layout layout = MakeLayout();
+    unsigned char* base = static_cast<unsigned char*>(out);
+    std::memset(base, 0, layout.total);
+    auto put = [base](size_t offset, const void* data, size_t size) {
+      if (size > 0) std::memcpy(base + offset, data, size);
     };
     put(layout.rows, rows_.data(), sizeof(ControlledRow) * rows_.size());
     put(layout.ids, special_ids_.data(), 4 * special_ids_.size());
@@ -165,6 +184,12 @@ class ControlledPlan {
     put(layout.bias, special_bias_.data(), 4 * special_bias_.size());
     put(layout.count, special_count_.data(), 4 * special_count_.size());
     put(layout.bitmask, bitmask_.data(), 4 * bitmask_.size());
+  }
+
+  // Every input array in one buffer, each at a 256-byte aligned offset.
+  std::vector<unsigned char> bytes() const {
+    std::vector<unsigned char> out(byte_size());
+    WriteBytes(out.data());
     return out;
   }
 

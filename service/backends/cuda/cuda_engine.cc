@@ -5,6 +5,17 @@
 // through the slot's TpExchange: NCCL device-API LSA pointers, or CUDA peer
 // pointers), the exchange's barrier (or events) orders every rank's stores
 // before rank 0's stage 2, then one D2H of the token ids.
+//
+// A batch where any row uses a control beyond temperature and n takes the
+// materialized path (docs/design.md#exactness-and-refusals): stage 1 writes
+// its fp32 logits (FusedSampleParams::logits_out) into the slot's [B, V]
+// buffer on rank 0 (tensor parallel: each rank into its own [B, shard]
+// buffer, copied into rank 0's at the shard's column offset), the
+// controlled sampler (kernels/controls/) samples every row of the batch
+// over them, then one D2H of tokens, logprobs, top lists and statuses. It
+// costs 4 * V bytes written per row plus the controlled kernel's passes
+// over them (at V = 151936: 0.6 MB written, a few MB read per row) where
+// the fused path writes none.
 #include "service/backends/cuda/cuda_engine.h"
 
 #include <cuda_runtime.h>
@@ -21,12 +32,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "common/status_util.h"
+#include "kernels/controls/controlled_plan.h"
+#include "kernels/controls/controlled_sampler.h"
+#include "kernels/controls/controlled_types.h"
 #include "kernels/sampler/fused_sampler.h"
 #include "kernels/tp/tp_exchange.h"
 #include "kernels/tp/tp_layout.h"
+#include "service/backends/cuda/controlled_rows.h"
 #include "service/backends/cuda/cuda_status.h"
 
 namespace flashsampler {
@@ -52,6 +66,45 @@ size_t AlignUp(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
+// The controlled sampler's outputs for `rows` rows with row strides
+// `samples` and `top_n`, in one buffer (one D2H copy), each array 256-byte
+// aligned.
+struct ControlledOutputLayout {
+  size_t token_ids = 0;         // int32 [rows, samples]
+  size_t sampled_logprobs = 0;  // float [rows, samples]
+  size_t logsumexp = 0;         // float [rows]
+  size_t top_token_ids = 0;     // int32 [rows, top_n]
+  size_t top_logprobs = 0;      // float [rows, top_n]
+  size_t top_count = 0;         // int32 [rows]
+  size_t status = 0;            // int32 [rows]
+  size_t error_token = 0;       // int32 [rows]
+  size_t total = 0;
+};
+
+ControlledOutputLayout MakeControlledOutputLayout(int rows, int samples,
+                                                  int top_n) {
+  const size_t r = static_cast<size_t>(rows);
+  const size_t per_sample = 4 * r * static_cast<size_t>(samples);
+  const size_t per_top = 4 * r * static_cast<size_t>(top_n);
+  ControlledOutputLayout l;
+  size_t at = 0;
+  const auto take = [&at](size_t bytes) {
+    const size_t offset = at;
+    at = AlignUp(at + bytes, 256);
+    return offset;
+  };
+  l.token_ids = take(per_sample);
+  l.sampled_logprobs = take(per_sample);
+  l.logsumexp = take(4 * r);
+  l.top_token_ids = take(per_top);
+  l.top_logprobs = take(per_top);
+  l.top_count = take(4 * r);
+  l.status = take(4 * r);
+  l.error_token = take(4 * r);
+  l.total = at;
+  return l;
+}
+
 std::string TransportDescription(const TpExchange& exchange,
                                  const std::string& fallback_reason) {
   std::string text = TpTransportName(exchange.options().transport);
@@ -75,6 +128,11 @@ struct SlotRank {
   // Zeroed once; every launch leaves it zeroed (fused_sampler.h). One GPU:
   // the in-kernel stage 2; tensor parallel: the pruning floor.
   void* workspace = nullptr;
+  // Tensor parallel, materialized path: this rank's [max_batch_rows, rows]
+  // fp32 logits, copied into the slot's [B, V] buffer on rank 0.
+  float* shard_logits = nullptr;
+  // Ranks >= 1: recorded after that copy; rank 0's stream waits on it.
+  cudaEvent_t logits_copied = nullptr;
 };
 
 struct Slot {
@@ -85,6 +143,18 @@ struct Slot {
   std::unique_ptr<TpExchange> exchange;
   int32_t* device_tokens = nullptr;  // rank 0: [rows][n]
   int32_t* host_tokens = nullptr;    // pinned
+
+  // The materialized path, all on rank 0 (sizes in CudaEngine::Init).
+  float* logits = nullptr;               // [max_batch_rows, V] fp32
+  void* controlled_workspace = nullptr;  // the controlled sampler's x = l / T
+  void* host_plan = nullptr;             // pinned, kControlledPlanBudgetBytes
+  void* device_plan = nullptr;           // kControlledPlanBudgetBytes
+  void* host_outputs = nullptr;  // pinned ControlledOutputLayout at capacity
+  void* device_outputs = nullptr;
+  // Host packing state, reused batch after batch (no allocation once warm).
+  ControlledPlan plan;
+  ControlledRowLists lists;
+  std::vector<size_t> row_bounds;
 };
 
 class CudaEngine final : public Engine {
@@ -127,7 +197,25 @@ class CudaEngine final : public Engine {
   }
 
   absl::Status Check(cudaError_t error, const char* what);
-  absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples);
+  // Stage 1 over rows [first_row, first_row + rows); `logits` also makes it
+  // write the fp32 logits (the materialized path).
+  absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples,
+                        bool logits);
+  // The materialized path after stage 1: gathers the logits on rank 0 (tensor
+  // parallel), packs and runs the controlled sampler over the batch's rows
+  // (row chunks within kControlledPlanBudgetBytes) and queues the D2H of its
+  // outputs on rank 0's stream. `valid[i]` is false for rows refused before
+  // (they ride along as plain rows; their outputs are ignored).
+  absl::Status RunControlled(Slot& slot, const BatchView& batch,
+                             const std::vector<char>& valid, int max_samples,
+                             int max_top_n, ControlledOutputLayout* layout);
+  // Reads the controlled sampler's outputs (in the slot's pinned buffer) into
+  // `results` for the valid rows.
+  absl::Status CollectControlled(Slot& slot, const BatchView& batch,
+                                 const std::vector<char>& valid,
+                                 const ControlledOutputLayout& layout,
+                                 int max_samples, int max_top_n,
+                                 std::vector<RowResult>* results);
   // Tensor parallel: one TpExchange per slot on the configured transport.
   absl::Status CreateExchanges();
   absl::Status CreateExchangesOn(TpTransport transport);
@@ -145,11 +233,19 @@ class CudaEngine final : public Engine {
   TpLayout layout_;  // the shards as the candidate exchange sees them
   int64_t capacity_pairs_ = 0;
   size_t workspace_bytes_ = 0;
+  // The controlled sampler's workspace per slot: its size for
+  // max_batch_rows rows plus 256 bytes, so that a row chunk starting at row
+  // f may use it from f * V floats on (ControlledSampleWorkspaceSize rounds
+  // up to 256 bytes).
+  size_t controlled_workspace_bytes_ = 0;
+  size_t controlled_output_bytes_ = 0;  // ControlledOutputLayout at capacity
   std::atomic<bool> broken_{false};
   // NCCL communicators of the device-API transport; outlive the exchanges.
   std::unique_ptr<TpComms> tp_comms_;
   // Why kAuto fell back to CUDA peer access (empty otherwise).
   std::string tp_fallback_reason_;
+  // The controls of a refused row riding along in a controlled launch.
+  const SamplingParams plain_params_;
 };
 
 absl::Status CudaEngine::Check(cudaError_t error, const char* what) {
@@ -332,7 +428,20 @@ absl::Status CudaEngine::Init() {
   workspace_bytes_ = FusedSampleWorkspaceSize(options_.max_batch_rows, vocab,
                                               static_cast<int>(hidden));
   const size_t max_tokens =
-      static_cast<size_t>(options_.max_batch_rows) * 64;  // n <= 64 per row
+      static_cast<size_t>(options_.max_batch_rows) * kCudaMaxSamples;
+  // The materialized path's buffers, per slot, never per request: at
+  // V = 151936 and 256 rows the logits and the controlled workspace are
+  // 156 MB each on rank 0, plus 16 MB of packed inputs (device and pinned)
+  // and 0.7 MB of outputs; tensor parallel adds [256, shard] fp32 per rank.
+  const size_t batch_logits_bytes =
+      sizeof(float) * static_cast<size_t>(options_.max_batch_rows) *
+      static_cast<size_t>(vocab);
+  controlled_workspace_bytes_ =
+      ControlledSampleWorkspaceSize(options_.max_batch_rows, vocab) + 256;
+  controlled_output_bytes_ =
+      MakeControlledOutputLayout(options_.max_batch_rows, kCudaMaxSamples,
+                                 kCudaMaxTopLogprobs)
+          .total;
   slots_.resize(options_.slots);
   for (Slot& slot : slots_) {
     FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
@@ -360,12 +469,45 @@ absl::Status CudaEngine::Init() {
       FS_RETURN_IF_ERROR(
           Check(cudaMemset(slot_rank.workspace, 0, workspace_bytes_),
                 "cudaMemset(workspace)"));
+      if (num_ranks > 1) {
+        FS_RETURN_IF_ERROR(
+            Check(cudaMalloc(reinterpret_cast<void**>(&slot_rank.shard_logits),
+                             sizeof(float) *
+                                 static_cast<size_t>(options_.max_batch_rows) *
+                                 static_cast<size_t>(ranks_[r].rows)),
+                  "cudaMalloc(shard logits)"));
+        if (r > 0) {
+          FS_RETURN_IF_ERROR(
+              Check(cudaEventCreateWithFlags(&slot_rank.logits_copied,
+                                             cudaEventDisableTiming),
+                    "cudaEventCreate"));
+        }
+      }
     }
     FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
     FS_RETURN_IF_ERROR(
         Check(cudaMalloc(reinterpret_cast<void**>(&slot.device_tokens),
                          sizeof(int32_t) * max_tokens),
               "cudaMalloc(tokens)"));
+    FS_RETURN_IF_ERROR(Check(
+        cudaMalloc(reinterpret_cast<void**>(&slot.logits), batch_logits_bytes),
+        "cudaMalloc(logits)"));
+    FS_RETURN_IF_ERROR(Check(
+        cudaMalloc(&slot.controlled_workspace, controlled_workspace_bytes_),
+        "cudaMalloc(controlled workspace)"));
+    FS_RETURN_IF_ERROR(
+        Check(cudaMallocHost(&slot.host_plan, kControlledPlanBudgetBytes),
+              "cudaMallocHost(controls)"));
+    FS_RETURN_IF_ERROR(
+        Check(cudaMalloc(&slot.device_plan, kControlledPlanBudgetBytes),
+              "cudaMalloc(controls)"));
+    FS_RETURN_IF_ERROR(
+        Check(cudaMallocHost(&slot.host_outputs, controlled_output_bytes_),
+              "cudaMallocHost(controlled outputs)"));
+    FS_RETURN_IF_ERROR(
+        Check(cudaMalloc(&slot.device_outputs, controlled_output_bytes_),
+              "cudaMalloc(controlled outputs)"));
+    slot.row_bounds.reserve(options_.max_batch_rows);
   }
 
   if (num_ranks > 1) {
@@ -388,7 +530,9 @@ absl::Status CudaEngine::Init() {
     shard.vocab_end = ranks_[r].begin + ranks_[r].rows;
     info_.shards.push_back(shard);
   }
-  info_.supported_controls = {"temperature", "n"};
+  // Every control: the fused kernel serves temperature and n, the
+  // materialized path the rest (docs/design.md#exactness-and-refusals).
+  info_.supported_controls = AllSamplingControls();
   return absl::OkStatus();
 }
 
@@ -438,7 +582,7 @@ absl::Status CudaEngine::CreateExchanges() {
 }
 
 absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
-                                  int num_samples) {
+                                  int num_samples, bool logits) {
   const size_t num_ranks = ranks_.size();
   std::vector<FusedSampleParams> all_params(num_ranks);
   std::vector<void*> workspaces(num_ranks);
@@ -466,6 +610,16 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
         reinterpret_cast<const uint64_t*>(input + seeds_offset()) + first_row;
     params.steps =
         reinterpret_cast<const uint64_t*>(input + steps_offset()) + first_row;
+    if (logits) {
+      // [rows, vocab_rows] at the chunk's first row: one GPU writes straight
+      // into the [B, V] buffer (its shard is all of V); tensor parallel
+      // ranks write their own buffer, gathered by RunControlled.
+      params.logits_out =
+          num_ranks == 1
+              ? slot.logits + static_cast<int64_t>(first_row) * rank.rows
+              : slot_rank.shard_logits +
+                    static_cast<int64_t>(first_row) * rank.rows;
+    }
     workspaces[r] = slot_rank.workspace;
     streams[r] = slot_rank.stream;
   }
@@ -490,6 +644,198 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
   return Check(error, "TpExchange::Step");
 }
 
+absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
+                                       const std::vector<char>& valid,
+                                       int max_samples, int max_top_n,
+                                       ControlledOutputLayout* layout) {
+  const int64_t vocab = info_.vocab_size;
+  const size_t num_ranks = ranks_.size();
+  SlotRank& root = slot.ranks[0];
+  if (num_ranks > 1) {
+    // Each rank's [rows, shard] logits land at its shard's columns of rank
+    // 0's [B, V] buffer: one 2-D copy per rank on its own stream, so after
+    // its stage 1 (cudaMemcpyDefault under unified addressing: a peer copy
+    // for ranks >= 1, whose peer access Init enabled); rank 0's stream waits
+    // for the other ranks' copies. Copies, not a strided logits_out: the
+    // fused kernel stays as it is and the copies are exact.
+    for (size_t r = 0; r < num_ranks; ++r) {
+      const Rank& rank = ranks_[r];
+      SlotRank& slot_rank = slot.ranks[r];
+      FS_RETURN_IF_ERROR(Check(cudaSetDevice(rank.device), "cudaSetDevice"));
+      FS_RETURN_IF_ERROR(Check(
+          cudaMemcpy2DAsync(slot.logits + rank.begin, sizeof(float) * vocab,
+                            slot_rank.shard_logits, sizeof(float) * rank.rows,
+                            sizeof(float) * rank.rows, batch.rows,
+                            cudaMemcpyDefault, slot_rank.stream),
+          "cudaMemcpy2DAsync(logits)"));
+      if (r > 0) {
+        FS_RETURN_IF_ERROR(
+            Check(cudaEventRecord(slot_rank.logits_copied, slot_rank.stream),
+                  "cudaEventRecord"));
+      }
+    }
+    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+    for (size_t r = 1; r < num_ranks; ++r) {
+      FS_RETURN_IF_ERROR(Check(
+          cudaStreamWaitEvent(root.stream, slot.ranks[r].logits_copied, 0),
+          "cudaStreamWaitEvent"));
+    }
+  }
+  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+
+  // One output layout for the whole batch: every row chunk writes with the
+  // batch's strides at its first row.
+  *layout = MakeControlledOutputLayout(batch.rows, max_samples, max_top_n);
+  char* out = static_cast<char*>(slot.device_outputs);
+  slot.row_bounds.clear();
+  for (int i = 0; i < batch.rows; ++i) {
+    slot.row_bounds.push_back(
+        valid[i] ? ControlledRowBytesBound(*batch.specs[i].params)
+                 : ControlledRowBytesBound(plain_params_));
+  }
+  const std::vector<std::pair<int, int>> chunks =
+      SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const int first = chunks[c].first;
+    const int end = chunks[c].second;
+    if (c > 0) {
+      // The previous chunk's H2D copy reads the pinned staging until done.
+      FS_RETURN_IF_ERROR(
+          Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
+    }
+    slot.plan.Clear();
+    for (int i = first; i < end; ++i) {
+      RowSpec spec = batch.specs[i];
+      // A refused row keeps its place (one CTA per logits row) as a plain
+      // row; its outputs are ignored.
+      if (!valid[i]) spec.params = &plain_params_;
+      slot.plan.AddRow(ControlledInputFrom(spec, &slot.lists));
+    }
+    const size_t bytes = slot.plan.byte_size();
+    if (bytes > kControlledPlanBudgetBytes) {
+      // SplitRowsByBudget's bounds make this unreachable.
+      return absl::InternalError(
+          absl::StrCat("packed controls of ", bytes, " bytes exceed the ",
+                       kControlledPlanBudgetBytes, "-byte staging"));
+    }
+    slot.plan.WriteBytes(slot.host_plan);
+    FS_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
+                              cudaMemcpyHostToDevice, root.stream),
+              "cudaMemcpyAsync(controls)"));
+    ControlledSampleParams params;
+    slot.plan.BindInputs(slot.device_plan, vocab, &params);
+    params.max_samples = max_samples;
+    params.max_top_n = max_top_n;
+    params.logits = slot.logits + static_cast<int64_t>(first) * vocab;
+    params.logits_row_stride = vocab;
+    const int64_t sample_at = static_cast<int64_t>(first) * max_samples;
+    const int64_t top_at = static_cast<int64_t>(first) * max_top_n;
+    params.token_ids =
+        reinterpret_cast<int32_t*>(out + layout->token_ids) + sample_at;
+    params.sampled_logprobs =
+        reinterpret_cast<float*>(out + layout->sampled_logprobs) + sample_at;
+    params.logsumexp =
+        reinterpret_cast<float*>(out + layout->logsumexp) + first;
+    params.top_token_ids =
+        reinterpret_cast<int32_t*>(out + layout->top_token_ids) + top_at;
+    params.top_logprobs =
+        reinterpret_cast<float*>(out + layout->top_logprobs) + top_at;
+    params.top_count =
+        reinterpret_cast<int32_t*>(out + layout->top_count) + first;
+    params.status = reinterpret_cast<int32_t*>(out + layout->status) + first;
+    params.error_token =
+        reinterpret_cast<int32_t*>(out + layout->error_token) + first;
+    // A chunk uses the workspace from its first row on, so every row's
+    // processed logits stay readable until the batch ends (the non-finite
+    // message reads one).
+    const size_t offset =
+        sizeof(float) * static_cast<size_t>(first) * static_cast<size_t>(vocab);
+    FS_RETURN_IF_ERROR(Check(
+        LaunchControlledSample(
+            params, static_cast<char*>(slot.controlled_workspace) + offset,
+            controlled_workspace_bytes_ - offset, root.stream),
+        "LaunchControlledSample"));
+  }
+  return Check(
+      cudaMemcpyAsync(slot.host_outputs, slot.device_outputs, layout->total,
+                      cudaMemcpyDeviceToHost, root.stream),
+      "cudaMemcpyAsync(controlled outputs)");
+}
+
+absl::Status CudaEngine::CollectControlled(Slot& slot, const BatchView& batch,
+                                           const std::vector<char>& valid,
+                                           const ControlledOutputLayout& layout,
+                                           int max_samples, int max_top_n,
+                                           std::vector<RowResult>* results) {
+  const int64_t vocab = info_.vocab_size;
+  const char* out = static_cast<const char*>(slot.host_outputs);
+  const auto* tokens = reinterpret_cast<const int32_t*>(out + layout.token_ids);
+  const auto* sampled =
+      reinterpret_cast<const float*>(out + layout.sampled_logprobs);
+  const auto* lse = reinterpret_cast<const float*>(out + layout.logsumexp);
+  const auto* top_ids =
+      reinterpret_cast<const int32_t*>(out + layout.top_token_ids);
+  const auto* top_logprobs =
+      reinterpret_cast<const float*>(out + layout.top_logprobs);
+  const auto* top_count =
+      reinterpret_cast<const int32_t*>(out + layout.top_count);
+  const auto* status = reinterpret_cast<const int32_t*>(out + layout.status);
+  const auto* error_token =
+      reinterpret_cast<const int32_t*>(out + layout.error_token);
+  for (int i = 0; i < batch.rows; ++i) {
+    if (!valid[i]) continue;
+    RowResult& result = (*results)[i];
+    const SamplingParams& p = *batch.specs[i].params;
+    if (status[i] != kControlledOk) {
+      float raw = 0.0f;
+      float processed = 0.0f;
+      const int32_t token = error_token[i];
+      if (status[i] == kControlledNonFinite && token >= 0 && token < vocab) {
+        // The offending raw and processed logits, read back for the message
+        // only (the CPU sampler's text carries both).
+        const size_t at = static_cast<size_t>(i) * static_cast<size_t>(vocab) +
+                          static_cast<size_t>(token);
+        FS_RETURN_IF_ERROR(
+            Check(cudaMemcpy(&raw, slot.logits + at, sizeof(float),
+                             cudaMemcpyDeviceToHost),
+                  "cudaMemcpy(raw logit)"));
+        FS_RETURN_IF_ERROR(
+            Check(cudaMemcpy(
+                      &processed,
+                      static_cast<const float*>(slot.controlled_workspace) + at,
+                      sizeof(float), cudaMemcpyDeviceToHost),
+                  "cudaMemcpy(processed logit)"));
+      }
+      result.error = ControlledRowError(status[i], token, raw, processed);
+      continue;
+    }
+    result.exact_fallback = kMaterializedLogitsFallback;
+    const int64_t sample_at = static_cast<int64_t>(i) * max_samples;
+    for (int j = 0; j < p.n; ++j) {
+      const int32_t token = tokens[sample_at + j];
+      if (token < 0 || token >= vocab) {
+        return absl::InternalError(absl::StrCat(
+            "row ", i, ": the controlled sampler returned token ", token));
+      }
+      result.token_ids.push_back(token);
+      if (p.logprobs.sampled) {
+        result.sampled_logprobs.push_back(sampled[sample_at + j]);
+      }
+    }
+    if (p.logprobs.logsumexp) result.logsumexp = lse[i];
+    if (p.logprobs.top_n > 0) {
+      const int count = std::min(top_count[i], max_top_n);
+      const int64_t top_at = static_cast<int64_t>(i) * max_top_n;
+      for (int t = 0; t < count; ++t) {
+        result.top_token_ids.push_back(top_ids[top_at + t]);
+        result.top_logprobs.push_back(top_logprobs[top_at + t]);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaEngine::Sample(const BatchView& batch,
                                 std::vector<RowResult>* results) {
   if (broken_.load()) {
@@ -505,37 +851,55 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
     return absl::InvalidArgumentError(absl::StrCat(
         "batch of ", batch.rows, " rows outside 1..", options_.max_batch_rows));
   }
+  for (int i = 0; i < batch.rows; ++i) {
+    if (batch.specs[i].params == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("row ", i, " has no sampling parameters"));
+    }
+  }
   Slot& slot = slots_[batch.slot];
   char* host = static_cast<char*>(slot.host_input);
   float* inv_temperature = reinterpret_cast<float*>(host);
   uint64_t* seeds = reinterpret_cast<uint64_t*>(host + seeds_offset());
   uint64_t* steps = reinterpret_cast<uint64_t*>(host + steps_offset());
+  results->assign(batch.rows, RowResult());
+  std::vector<char> valid(batch.rows, 1);
+  int valid_rows = 0;
+  // Any row with a control beyond temperature and n sends the whole batch
+  // down the materialized path; its other rows get the tokens the fused
+  // path would give them: the controlled sampler draws the same Philox
+  // noise over the same fp32 logits the fused kernel scores, and both equal
+  // the CPU sampler (docs/design.md#exactness-and-refusals).
+  bool controlled = false;
   int num_samples = 1;
+  int max_top_n = 0;
   for (int i = 0; i < batch.rows; ++i) {
     const RowSpec& spec = batch.specs[i];
-    if (spec.params == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("row ", i, " has no sampling parameters"));
-    }
     const SamplingParams& params = *spec.params;
-    const std::string unsupported =
-        FirstUnsupportedControl(params, info_.supported_controls);
-    if (!unsupported.empty()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "the CUDA backend does not implement ", unsupported,
-          " (supported: ", absl::StrJoin(info_.supported_controls, ", "), ")"));
+    const absl::Status row_status = ValidateCudaRow(params, info_.vocab_size);
+    if (!row_status.ok()) {
+      // This row alone fails (Engine::Sample's contract); it rides along as
+      // a greedy row whose result is dropped.
+      (*results)[i].error = std::string(row_status.message());
+      valid[i] = 0;
+      inv_temperature[i] = 0.0f;
+      seeds[i] = 0;
+      steps[i] = 0;
+      continue;
     }
-    if (!(params.temperature >= 0.0f) || params.n < 1 || params.n > 64) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("row ", i, ": temperature must be >= 0 and n in 1..64"));
-    }
+    ++valid_rows;
+    controlled = controlled || NeedsControlledSampler(params);
     // 1 / T rounded to fp32 once, as every backend does; 0 = greedy.
     inv_temperature[i] =
         params.temperature == 0.0f ? 0.0f : 1.0f / params.temperature;
     seeds[i] = spec.seed;
     steps[i] = spec.step;
     num_samples = std::max(num_samples, static_cast<int>(params.n));
+    max_top_n =
+        std::max<int>(max_top_n, static_cast<int>(std::min<int64_t>(
+                                     params.logprobs.top_n, info_.vocab_size)));
   }
+  if (valid_rows == 0) return absl::OkStatus();
 
   const size_t copy_bytes = params_bytes_ + static_cast<size_t>(batch.rows) *
                                                 info_.hidden_size *
@@ -547,19 +911,29 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
                         cudaMemcpyHostToDevice, slot.ranks[r].stream),
         "cudaMemcpyAsync(input)"));
   }
+  // The materialized path takes only the logits from stage 1 (the
+  // controlled sampler draws every sample), so one sample per row keeps
+  // stage 1 to one launch.
+  const int stage1_samples = controlled ? 1 : num_samples;
   const int rows_per_chunk =
-      static_cast<int>(std::max<int64_t>(1, capacity_pairs_ / num_samples));
+      static_cast<int>(std::max<int64_t>(1, capacity_pairs_ / stage1_samples));
   for (int first = 0; first < batch.rows; first += rows_per_chunk) {
     const int rows = std::min(rows_per_chunk, batch.rows - first);
-    FS_RETURN_IF_ERROR(RunChunk(slot, first, rows, num_samples));
+    FS_RETURN_IF_ERROR(RunChunk(slot, first, rows, stage1_samples, controlled));
   }
   SlotRank& root = slot.ranks[0];
-  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-  FS_RETURN_IF_ERROR(
-      Check(cudaMemcpyAsync(slot.host_tokens, slot.device_tokens,
-                            sizeof(int32_t) * batch.rows * num_samples,
-                            cudaMemcpyDeviceToHost, root.stream),
-            "cudaMemcpyAsync(tokens)"));
+  ControlledOutputLayout layout;
+  if (controlled) {
+    FS_RETURN_IF_ERROR(
+        RunControlled(slot, batch, valid, num_samples, max_top_n, &layout));
+  } else {
+    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+    FS_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(slot.host_tokens, slot.device_tokens,
+                              sizeof(int32_t) * batch.rows * num_samples,
+                              cudaMemcpyDeviceToHost, root.stream),
+              "cudaMemcpyAsync(tokens)"));
+  }
   FS_RETURN_IF_ERROR(
       Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
   if (slot.exchange != nullptr) {
@@ -582,10 +956,13 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
     }
   }
 
-  results->resize(batch.rows);
+  if (controlled) {
+    return CollectControlled(slot, batch, valid, layout, num_samples, max_top_n,
+                             results);
+  }
   for (int i = 0; i < batch.rows; ++i) {
+    if (!valid[i]) continue;
     RowResult& result = (*results)[i];
-    result = RowResult();
     const int n = batch.specs[i].params->n;
     for (int j = 0; j < n; ++j) {
       const int32_t token = slot.host_tokens[i * num_samples + j];
@@ -624,12 +1001,24 @@ void CudaEngine::Release() {
       if (slot_rank.stream != nullptr) cudaStreamDestroy(slot_rank.stream);
       if (slot_rank.device_input != nullptr) cudaFree(slot_rank.device_input);
       if (slot_rank.workspace != nullptr) cudaFree(slot_rank.workspace);
+      if (slot_rank.shard_logits != nullptr) cudaFree(slot_rank.shard_logits);
+      if (slot_rank.logits_copied != nullptr) {
+        cudaEventDestroy(slot_rank.logits_copied);
+      }
     }
     if (!ranks_.empty() && cudaSetDevice(ranks_[0].device) == cudaSuccess) {
       if (slot.device_tokens != nullptr) cudaFree(slot.device_tokens);
+      if (slot.logits != nullptr) cudaFree(slot.logits);
+      if (slot.controlled_workspace != nullptr) {
+        cudaFree(slot.controlled_workspace);
+      }
+      if (slot.device_plan != nullptr) cudaFree(slot.device_plan);
+      if (slot.device_outputs != nullptr) cudaFree(slot.device_outputs);
     }
     if (slot.host_input != nullptr) cudaFreeHost(slot.host_input);
     if (slot.host_tokens != nullptr) cudaFreeHost(slot.host_tokens);
+    if (slot.host_plan != nullptr) cudaFreeHost(slot.host_plan);
+    if (slot.host_outputs != nullptr) cudaFreeHost(slot.host_outputs);
   }
   slots_.clear();
   for (Rank& rank : ranks_) {

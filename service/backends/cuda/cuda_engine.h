@@ -3,7 +3,9 @@
 // the reducing rank's buffer through kernels/tp/tp_exchange.h (NCCL's device
 // API, or CUDA peer access), stage 2 on rank 0, token ids back to the host.
 // One GPU reduces inside the stage-1 kernel. Slots have their own pinned
-// staging, streams and exchange so that two batches overlap.
+// staging, streams and exchange so that two batches overlap. Every sampling
+// control is served: a batch with controls beyond temperature and n samples
+// over materialized fp32 logits (kernels/controls/, see cuda_engine.cc).
 #ifndef FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CUDA_ENGINE_H_
 #define FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CUDA_ENGINE_H_
 

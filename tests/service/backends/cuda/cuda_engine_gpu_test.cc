@@ -1,9 +1,13 @@
 // End-to-end tests of the CUDA engine: tokens equal the CPU sampler's on
-// small-integer weights (exact logits), two slots in flight, row chunking
-// for many samples, refusals, and tensor parallel over two GPUs with an
+// small-integer weights (exact logits), with and without sampling controls
+// (the materialized path: tokens, logprobs, top lists and row errors equal
+// the CPU's), two slots in flight, row chunking for many samples and for
+// large control lists, refusals, and tensor parallel over two GPUs with an
 // uneven split giving the same tokens as one GPU (docs/design.md#invariance).
 // Every test skips loudly without (enough) GPUs.
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -17,10 +21,12 @@
 #include "common/status_util.h"
 #include "gtest/gtest.h"
 #include "service/backends/cpu/cpu_sampler.h"
+#include "service/backends/cuda/controlled_rows.h"
 #include "service/backends/cuda/cuda_engine.h"
 #include "service/backends/engine.h"
 #include "service/backends/sampling_params.h"
 #include "service/weights/weights.h"
+#include "tests/kernels/controls/controlled_test_util.h"
 #include "tests/testing/gpu_test_util.h"
 
 namespace flashsampler {
@@ -102,6 +108,79 @@ std::vector<std::vector<int32_t>> Tokens(
   return tokens;
 }
 
+// Copies fp32 hidden states (small integers: exact in bf16) into a slot.
+void StageHidden(Engine& engine, int slot, const std::vector<float>& hidden) {
+  uint16_t* input = static_cast<uint16_t*>(engine.slot_input(slot));
+  for (size_t i = 0; i < hidden.size(); ++i) {
+    input[i] = FloatToBf16(hidden[i]);
+  }
+}
+
+// The engine's rows against the CPU sampler's: the same error text, or the
+// same tokens and top ids and logprobs within 1e-5 (relative; the
+// controlled sampler sums in a fixed order of its own), and the
+// materialized path counted for rows with controls.
+void ExpectRowsEqual(const std::vector<RowResult>& gpu,
+                     const std::vector<RowResult>& cpu,
+                     const std::vector<RowSpec>& specs,
+                     const std::string& where) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << where;
+  auto near = [](float a, float b) {
+    return std::fabs(a - b) <= 1e-5f * std::max(1.0f, std::fabs(b));
+  };
+  for (size_t r = 0; r < gpu.size(); ++r) {
+    const RowResult& g = gpu[r];
+    const RowResult& c = cpu[r];
+    const SamplingParams& p = *specs[r].params;
+    const std::string row = where + ", row " + std::to_string(r);
+    EXPECT_EQ(g.error, c.error) << row;
+    if (!c.error.empty()) continue;
+    EXPECT_EQ(g.token_ids, c.token_ids) << row;
+    EXPECT_EQ(g.top_token_ids, c.top_token_ids) << row;
+    ASSERT_EQ(g.sampled_logprobs.size(), c.sampled_logprobs.size()) << row;
+    for (size_t j = 0; j < g.sampled_logprobs.size(); ++j) {
+      EXPECT_TRUE(near(g.sampled_logprobs[j], c.sampled_logprobs[j]))
+          << row << " sample " << j << ": " << g.sampled_logprobs[j] << " vs "
+          << c.sampled_logprobs[j];
+    }
+    if (p.logprobs.logsumexp) {
+      EXPECT_TRUE(near(g.logsumexp, c.logsumexp))
+          << row << ": " << g.logsumexp << " vs " << c.logsumexp;
+    }
+    ASSERT_EQ(g.top_logprobs.size(), c.top_logprobs.size()) << row;
+    for (size_t t = 0; t < g.top_logprobs.size(); ++t) {
+      EXPECT_TRUE(near(g.top_logprobs[t], c.top_logprobs[t]))
+          << row << " top " << t << ": " << g.top_logprobs[t] << " vs "
+          << c.top_logprobs[t];
+    }
+    if (NeedsControlledSampler(p)) {
+      ASSERT_NE(g.exact_fallback, nullptr) << row;
+      EXPECT_EQ(std::string(g.exact_fallback), "materialized_logits") << row;
+    }
+  }
+}
+
+// Samples `specs` over `hidden` on the engine (slot 0) and the CPU sampler
+// and compares every row.
+void ExpectEngineEqualsCpu(Engine& engine, CpuSampler& cpu,
+                           const std::vector<float>& hidden,
+                           const std::vector<RowSpec>& specs,
+                           const std::string& where) {
+  const int rows = static_cast<int>(specs.size());
+  StageHidden(engine, 0, hidden);
+  std::vector<RowResult> gpu;
+  const absl::Status status =
+      engine.Sample(BatchView{0, rows, specs.data()}, &gpu);
+  ASSERT_TRUE(status.ok()) << where << ": " << status;
+  std::vector<RowResult> reference;
+  const absl::Status cpu_status =
+      cpu.Sample(hidden.data(), rows, specs.data(), &reference);
+  // Row failures make the CPU sampler return INVALID_ARGUMENT too.
+  ASSERT_TRUE(cpu_status.ok() || absl::IsInvalidArgument(cpu_status))
+      << where << ": " << cpu_status;
+  ExpectRowsEqual(gpu, reference, specs, where);
+}
+
 // The fixture of every engine test: skips loudly without a GPU (the
 // tensor-parallel tests also without a second one), and holds the engines
 // and references the tests build.
@@ -181,8 +260,7 @@ TEST_F(CudaEngineGpuTest, ReportsItsShapeAndRefusesWhatItCannotDoExactly) {
   ASSERT_EQ(info.shards.size(), 1u);
   EXPECT_EQ(info.shards[0].vocab_begin, 0);
   EXPECT_EQ(info.shards[0].vocab_end, 1001);
-  EXPECT_EQ(info.supported_controls,
-            (std::vector<std::string>{"temperature", "n"}));
+  EXPECT_EQ(info.supported_controls, AllSamplingControls());
   EXPECT_EQ((*engine)->max_slots(), 2);
   EXPECT_NE((*engine)->slot_input(1), nullptr);
   EXPECT_EQ((*engine)->slot_input(2), nullptr);
@@ -190,12 +268,23 @@ TEST_F(CudaEngineGpuTest, ReportsItsShapeAndRefusesWhatItCannotDoExactly) {
   Batch batch = MakeBatch(4, 128, 5, 1);
   Stage(**engine, 0, batch);
   std::vector<RowResult> results;
+  // Controls are served (the materialized path); n beyond the engine's 64
+  // fails that row alone, naming the limit.
   SamplingParams top_k;
   top_k.top_k = 5;
+  SamplingParams too_many;
+  too_many.n = kCudaMaxSamples + 1;
   std::vector<RowSpec> specs = batch.specs;
   specs[2].params = &top_k;
-  EXPECT_EQ((*engine)->Sample(BatchView{0, 4, specs.data()}, &results).code(),
-            absl::StatusCode::kUnimplemented);
+  specs[3].params = &too_many;
+  ASSERT_TRUE((*engine)->Sample(BatchView{0, 4, specs.data()}, &results).ok());
+  ASSERT_EQ(results.size(), 4u);
+  EXPECT_EQ(results[2].token_ids.size(), 1u);
+  EXPECT_TRUE(results[2].error.empty()) << results[2].error;
+  EXPECT_NE(results[3].error.find("n must be <= 64"), std::string::npos)
+      << results[3].error;
+  EXPECT_TRUE(results[3].token_ids.empty());
+  EXPECT_EQ(results[0].token_ids.size(), 1u);
   EXPECT_EQ(
       (*engine)->Sample(BatchView{2, 4, batch.specs.data()}, &results).code(),
       absl::StatusCode::kInvalidArgument);
@@ -371,6 +460,198 @@ TEST_F(CudaEngineGpuTest, AFailedTensorParallelBarrierFailsFastAndForGood) {
   EXPECT_EQ(later.code(), absl::StatusCode::kUnavailable) << later;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4))
       << "the aborted barrier must not wait for its 5 s timeout";
+}
+
+// Every control alone and in combination (top_k + top_p, min_p + top_p,
+// temperature + top_k, penalties + top_p, bias + banned + bitmask, logprobs
+// under every filter, n = 4, greedy with filters, flat rows, a batch whose
+// rows all differ, one row with every token masked failing alone) gives the
+// CPU sampler's tokens, top lists, logprobs and errors.
+TEST_F(CudaEngineGpuTest, ControlsGiveTheCpuSamplersRowsOnSmallIntegerWeights) {
+  constexpr int64_t kVocab = 1001;
+  constexpr int kHidden = 128;
+  std::vector<float> values;
+  auto engine = OneGpuEngine(kVocab, kHidden, 21, 64, &values);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto sampler = CpuReference(values, kVocab, kHidden);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  for (const testing_controls::Case& c : testing_controls::Cases(kVocab)) {
+    for (int rows : {1, 13, 64}) {
+      const std::vector<RowSpec> specs =
+          testing_controls::Specs(c, rows, 31 + rows);
+      std::vector<int> flat;
+      for (int r : c.flat_rows) {
+        if (r < rows) flat.push_back(r);
+      }
+      const std::vector<float> hidden =
+          testing_controls::MakeHidden(rows, kHidden, 41 + rows, flat);
+      ExpectEngineEqualsCpu(**engine, **sampler, hidden, specs,
+                            c.name + ", " + std::to_string(rows) + " rows");
+    }
+  }
+}
+
+// Plain rows riding in a batch with controlled rows keep the tokens a
+// plain-only batch gives them (same noise, same logits), and the
+// controlled rows equal the CPU's.
+TEST_F(CudaEngineGpuTest, PlainRowsInAControlledBatchKeepTheirTokens) {
+  constexpr int64_t kVocab = 3000;
+  constexpr int kHidden = 64;
+  std::vector<float> values;
+  auto engine = OneGpuEngine(kVocab, kHidden, 22, 64, &values);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto sampler = CpuReference(values, kVocab, kHidden);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  const Batch batch = MakeBatch(48, kHidden, 99, 4);
+  Stage(**engine, 0, batch);
+  std::vector<RowResult> plain;
+  ASSERT_TRUE(
+      (*engine)->Sample(BatchView{0, 48, batch.specs.data()}, &plain).ok());
+  for (const RowResult& r : plain) EXPECT_EQ(r.exact_fallback, nullptr);
+
+  SamplingParams top_p;
+  top_p.top_p = 0.8f;
+  top_p.n = 3;
+  SamplingParams banned;
+  banned.banned_token_ids = {1, 2, 3, 500, 2999};
+  banned.logprobs.top_n = 5;
+  banned.logprobs.sampled = true;
+  std::vector<RowSpec> mixed = batch.specs;
+  for (int i = 0; i < 48; i += 5) {
+    mixed[i].params = (i % 10 == 0) ? &top_p : &banned;
+  }
+  ExpectEngineEqualsCpu(**engine, **sampler, batch.hidden, mixed, "mixed");
+  Stage(**engine, 0, batch);
+  std::vector<RowResult> with_controls;
+  ASSERT_TRUE(
+      (*engine)->Sample(BatchView{0, 48, mixed.data()}, &with_controls).ok());
+  for (int i = 0; i < 48; ++i) {
+    if (i % 5 == 0) continue;
+    EXPECT_EQ(with_controls[i].token_ids, plain[i].token_ids) << "row " << i;
+    ASSERT_NE(with_controls[i].exact_fallback, nullptr);
+    EXPECT_EQ(std::string(with_controls[i].exact_fallback),
+              "materialized_logits");
+  }
+}
+
+// Rows that fail do so alone, with the CPU's text: every token masked, and
+// logits that overflow fp32 (h[0] = 2^127 against |W| >= 2: +-inf, summed
+// with zeros only, so inf in any order) naming the lowest such token with
+// its raw and processed values.
+TEST_F(CudaEngineGpuTest, FailingRowsFailAloneWithTheCpuSamplersMessages) {
+  constexpr int64_t kVocab = 1001;
+  constexpr int kHidden = 64;
+  std::vector<float> values;
+  auto engine = OneGpuEngine(kVocab, kHidden, 23, 16, &values);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto sampler = CpuReference(values, kVocab, kHidden);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  std::vector<float> hidden = testing_controls::MakeHidden(4, kHidden, 5);
+  for (int d = 0; d < kHidden; ++d) hidden[kHidden + d] = 0.0f;
+  hidden[kHidden] = std::ldexp(1.0f, 127);
+  SamplingParams fine;
+  fine.top_k = 10;
+  fine.logprobs = testing_controls::AllLogprobs(3, false);
+  SamplingParams masked;
+  masked.allowed_bitmask.assign((kVocab + 31) / 32, 0u);
+  SamplingParams bad_id;
+  bad_id.banned_token_ids = {static_cast<int32_t>(kVocab)};
+  std::vector<RowSpec> specs(4);
+  specs[0].params = &fine;
+  specs[1].params = &fine;  // overflowing logits
+  specs[2].params = &masked;
+  specs[3].params = &bad_id;
+  for (int r = 0; r < 4; ++r) {
+    specs[r].seed = 100 + r;
+    specs[r].step = r;
+  }
+  std::vector<RowResult> gpu;
+  StageHidden(**engine, 0, hidden);
+  ASSERT_TRUE((*engine)->Sample(BatchView{0, 4, specs.data()}, &gpu).ok());
+  ASSERT_EQ(gpu.size(), 4u);
+  EXPECT_TRUE(gpu[0].error.empty()) << gpu[0].error;
+  EXPECT_EQ(gpu[0].token_ids.size(), 1u);
+  EXPECT_NE(gpu[1].error.find("is not finite"), std::string::npos)
+      << gpu[1].error;
+  EXPECT_EQ(gpu[2].error,
+            "every token is masked (banned ids, allowed bitmask or -inf bias)");
+  EXPECT_NE(gpu[3].error.find("banned_token_ids: token id 1001 out of range"),
+            std::string::npos)
+      << gpu[3].error;
+  ExpectEngineEqualsCpu(**engine, **sampler, hidden, specs, "failing rows");
+}
+
+// Control lists beyond the 16 MB staging of one launch: the batch runs in
+// row chunks (4 rows of ~7.8 MB of prompt ids each) and still equals the
+// CPU; a row whose own lists exceed the budget fails alone, naming them.
+TEST_F(CudaEngineGpuTest, LargeControlListsRunInRowChunksOrFailTheirRow) {
+  constexpr int64_t kVocab = 1001;
+  constexpr int kHidden = 64;
+  std::vector<float> values;
+  auto engine = OneGpuEngine(kVocab, kHidden, 24, 8, &values);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto sampler = CpuReference(values, kVocab, kHidden);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  std::mt19937_64 rng(25);
+  SamplingParams heavy;
+  heavy.repetition_penalty = 1.3f;
+  heavy.top_p = 0.9f;
+  for (int i = 0; i < 600000; ++i) {
+    heavy.prompt_token_ids.push_back(static_cast<int32_t>(rng() % kVocab));
+  }
+  SamplingParams light;
+  light.min_p = 0.05f;
+  std::vector<RowSpec> specs(6);
+  for (int r = 0; r < 6; ++r) {
+    specs[r].params = (r == 1) ? &light : &heavy;
+    specs[r].seed = rng();
+    specs[r].step = r;
+  }
+  const std::vector<float> hidden =
+      testing_controls::MakeHidden(6, kHidden, 26);
+  ExpectEngineEqualsCpu(**engine, **sampler, hidden, specs, "row chunks");
+
+  SamplingParams too_big;
+  too_big.banned_token_ids.assign(kControlledPlanBudgetBytes / 13 + 1, 7);
+  specs[3].params = &too_big;
+  StageHidden(**engine, 0, hidden);
+  std::vector<RowResult> gpu;
+  ASSERT_TRUE((*engine)->Sample(BatchView{0, 6, specs.data()}, &gpu).ok());
+  EXPECT_NE(gpu[3].error.find("banned_token_ids ("), std::string::npos)
+      << gpu[3].error;
+  EXPECT_TRUE(gpu[3].token_ids.empty());
+  for (int r : {0, 1, 2, 4, 5}) {
+    EXPECT_TRUE(gpu[r].error.empty()) << r << ": " << gpu[r].error;
+    EXPECT_FALSE(gpu[r].token_ids.empty()) << r;
+  }
+}
+
+// Tensor parallel: each rank's logits gathered into rank 0's [B, V] buffer
+// give the CPU's rows for every control case, over an uneven split.
+TEST_F(CudaEngineGpuTest, ControlsOverTwoDevicesGiveTheCpuSamplersRows) {
+  FS_SKIP_WITHOUT_GPUS(2);
+  constexpr int64_t kVocab = 1001;
+  constexpr int kHidden = 128;
+  std::vector<float> values;
+  auto weights = SmallIntegerWeights(kVocab, kHidden, 27, &values);
+  ASSERT_NE(weights, nullptr);
+  CudaEngineOptions two;
+  two.devices = {0, 1};
+  two.max_batch_rows = 64;
+  auto engine = CreateCudaEngine(weights, two);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  ASSERT_EQ((*engine)->info().shards.size(), 2u);
+  auto sampler = CpuReference(values, kVocab, kHidden);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  for (const testing_controls::Case& c : testing_controls::Cases(kVocab)) {
+    const std::vector<RowSpec> specs = testing_controls::Specs(c, 24, 28);
+    std::vector<int> flat;
+    for (int r : c.flat_rows) flat.push_back(r);
+    const std::vector<float> hidden =
+        testing_controls::MakeHidden(24, kHidden, 29, flat);
+    ExpectEngineEqualsCpu(**engine, **sampler, hidden, specs,
+                          c.name + " (two devices)");
+  }
 }
 
 }  // namespace

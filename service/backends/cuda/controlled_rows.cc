@@ -1,0 +1,212 @@
+// Host glue of the CUDA engine's controlled path: row checks with the CPU
+// sampler's messages, SamplingParams -> ControlledRowInput, the packed-byte
+// bound and chunking, and the per-row error texts.
+#include "service/backends/cuda/controlled_rows.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/controls/controlled_types.h"
+
+namespace flashsampler {
+namespace {
+
+// One merged entry of the packed lists: id (4) + flags (1) + bias (4) +
+// count (4).
+constexpr size_t kBytesPerListEntry = 13;
+
+size_t ListEntries(const SamplingParams& p) {
+  size_t entries = p.logit_bias.size() + p.banned_token_ids.size() +
+                   p.output_token_counts.size();
+  // The packer reads prompt ids only for a repetition penalty.
+  if (p.repetition_penalty != 1.0f) entries += p.prompt_token_ids.size();
+  return entries;
+}
+
+}  // namespace
+
+bool NeedsControlledSampler(const SamplingParams& p) {
+  return p.has_token_transforms() || p.top_k > 0 || p.top_p < 1.0f ||
+         p.min_p > 0.0f || p.logprobs.any();
+}
+
+absl::Status ValidateCudaRow(const SamplingParams& p, int64_t vocab) {
+  auto check_id = [&](int64_t id, const char* field) -> absl::Status {
+    if (id < 0 || id >= vocab) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: token id %d out of range [0, %d)", field, id, vocab));
+    }
+    return absl::OkStatus();
+  };
+  if (!(std::isfinite(p.temperature) && p.temperature >= 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "temperature must be finite and >= 0, got ", p.temperature));
+  }
+  if (p.top_k < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k must be >= 0, got ", p.top_k));
+  }
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_p must be in (0, 1], got ", p.top_p));
+  }
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("min_p must be in [0, 1], got ", p.min_p));
+  }
+  if (!(std::isfinite(p.repetition_penalty) && p.repetition_penalty > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repetition_penalty must be finite and > 0, got ",
+                     p.repetition_penalty));
+  }
+  if (!std::isfinite(p.presence_penalty) ||
+      !std::isfinite(p.frequency_penalty)) {
+    return absl::InvalidArgumentError(
+        "presence_penalty and frequency_penalty must be finite");
+  }
+  if (p.n < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("n must be >= 1, got ", p.n));
+  }
+  if (p.n > kCudaMaxSamples) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "n must be <= ", kCudaMaxSamples, " on the CUDA backend, got ", p.n));
+  }
+  if (p.logprobs.top_n < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "logprobs.top_logprobs must be >= 0, got ", p.logprobs.top_n));
+  }
+  if (p.logprobs.top_n > kCudaMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logprobs.top_logprobs must be <= ", kCudaMaxTopLogprobs,
+                     " on the CUDA backend, got ", p.logprobs.top_n));
+  }
+  for (const TokenBias& b : p.logit_bias) {
+    if (auto s = check_id(b.token_id, "logit_bias"); !s.ok()) return s;
+    if (std::isnan(b.bias) ||
+        b.bias == std::numeric_limits<float>::infinity()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_bias of token ", b.token_id,
+                       " must be finite or -inf, got ", b.bias));
+    }
+  }
+  for (int32_t id : p.banned_token_ids) {
+    if (auto s = check_id(id, "banned_token_ids"); !s.ok()) return s;
+  }
+  for (int32_t id : p.prompt_token_ids) {
+    if (auto s = check_id(id, "prompt_token_ids"); !s.ok()) return s;
+  }
+  for (const TokenCount& tc : p.output_token_counts) {
+    if (auto s = check_id(tc.token_id, "output_token_counts"); !s.ok())
+      return s;
+    if (tc.count < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("output_token_counts: count of token ", tc.token_id,
+                       " must be >= 0"));
+    }
+  }
+  const size_t words = static_cast<size_t>((vocab + 31) / 32);
+  if (!p.allowed_bitmask.empty() && p.allowed_bitmask.size() != words) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "allowed_token_bitmask has %d words, expected ceil(V / 32) = %d",
+        p.allowed_bitmask.size(), words));
+  }
+  const size_t limit = kControlledPlanBudgetBytes - kControlledPlanLayoutSlack;
+  const size_t bound = ControlledRowBytesBound(p);
+  if (NeedsControlledSampler(p) && bound > limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "logit_bias (", p.logit_bias.size(), "), banned_token_ids (",
+        p.banned_token_ids.size(), "), prompt_token_ids (",
+        p.prompt_token_ids.size(), "), output_token_counts (",
+        p.output_token_counts.size(), ") and allowed_token_bitmask pack to ",
+        bound, " bytes; the CUDA backend packs at most ", limit,
+        " bytes of them per row"));
+  }
+  return absl::OkStatus();
+}
+
+ControlledRowInput ControlledInputFrom(const RowSpec& spec,
+                                       ControlledRowLists* lists) {
+  const SamplingParams& p = *spec.params;
+  lists->bias_ids.clear();
+  lists->bias_values.clear();
+  lists->output_ids.clear();
+  lists->output_counts.clear();
+  ControlledRowInput in;
+  in.temperature = p.temperature;
+  in.top_k = p.top_k;
+  in.top_p = p.top_p;
+  in.min_p = p.min_p;
+  in.repetition_penalty = p.repetition_penalty;
+  in.presence_penalty = p.presence_penalty;
+  in.frequency_penalty = p.frequency_penalty;
+  for (const TokenBias& b : p.logit_bias) {
+    lists->bias_ids.push_back(b.token_id);
+    lists->bias_values.push_back(b.bias);
+  }
+  in.bias_ids = lists->bias_ids.data();
+  in.bias_values = lists->bias_values.data();
+  in.num_bias = lists->bias_ids.size();
+  in.banned_ids = p.banned_token_ids.data();
+  in.num_banned = p.banned_token_ids.size();
+  in.prompt_ids = p.prompt_token_ids.data();
+  in.num_prompt = p.prompt_token_ids.size();
+  for (const TokenCount& tc : p.output_token_counts) {
+    lists->output_ids.push_back(tc.token_id);
+    lists->output_counts.push_back(tc.count);
+  }
+  in.output_ids = lists->output_ids.data();
+  in.output_counts = lists->output_counts.data();
+  in.num_output = lists->output_ids.size();
+  in.allowed_bitmask =
+      p.allowed_bitmask.empty() ? nullptr : p.allowed_bitmask.data();
+  in.bitmask_words = p.allowed_bitmask.size();
+  in.n = p.n;
+  in.top_n = p.logprobs.top_n;
+  in.logprob_flags = (p.logprobs.sampled ? kLogprobSampled : 0u) |
+                     (p.logprobs.logsumexp ? kLogprobLogsumexp : 0u) |
+                     (p.logprobs.raw ? kLogprobRaw : 0u);
+  in.seed = spec.seed;
+  in.step = spec.step;
+  return in;
+}
+
+size_t ControlledRowBytesBound(const SamplingParams& p) {
+  return sizeof(ControlledRow) + kBytesPerListEntry * ListEntries(p) +
+         sizeof(uint32_t) * p.allowed_bitmask.size();
+}
+
+std::vector<std::pair<int, int>> SplitRowsByBudget(
+    const std::vector<size_t>& row_bounds, size_t budget) {
+  const size_t limit = budget > kControlledPlanLayoutSlack
+                           ? budget - kControlledPlanLayoutSlack
+                           : 0;
+  std::vector<std::pair<int, int>> chunks;
+  const int rows = static_cast<int>(row_bounds.size());
+  int first = 0;
+  size_t used = 0;
+  for (int r = 0; r < rows; ++r) {
+    if (r > first && used + row_bounds[r] > limit) {
+      chunks.emplace_back(first, r);
+      first = r;
+      used = 0;
+    }
+    used += row_bounds[r];
+  }
+  if (rows > first) chunks.emplace_back(first, rows);
+  return chunks;
+}
+
+std::string ControlledRowError(int32_t status, int32_t error_token,
+                               float raw_logit, float processed_logit) {
+  if (status == kControlledNonFinite) {
+    return absl::StrFormat(
+        "logit of token %d is not finite (raw %g, processed %g)", error_token,
+        raw_logit, processed_logit);
+  }
+  return ControlledStatusMessage(status);
+}
+
+}  // namespace flashsampler

@@ -1,0 +1,95 @@
+// Host glue between the service's per-row controls (SamplingParams) and the
+// controlled sampler (kernels/controls/): which rows need it, the CPU
+// sampler's range checks with its messages, the packer's plain input, the
+// byte bound of a row's packed lists and the per-row error texts. No CUDA
+// headers, so all of it is tested without a GPU.
+#ifndef FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CONTROLLED_ROWS_H_
+#define FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CONTROLLED_ROWS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/controls/controlled_plan.h"
+#include "service/backends/sampling_params.h"
+
+namespace flashsampler {
+
+// Samples per row the CUDA engine serves: the fused kernel's in-kernel
+// stage 2 keeps at most 64 (kMaxFusedInKernelSamples), and the controlled
+// path's outputs are sized for the same number so that both paths take
+// the same rows.
+constexpr int kCudaMaxSamples = 64;
+
+// Most likely tokens a row may list (logprobs.top_logprobs). The serving
+// layer's limit (ServerLimits::max_top_logprobs, 20 by default) is far
+// below; the engine's outputs hold 256 per row: 256 rows x 256 x 8 bytes =
+// 0.5 MB per slot. Each listed token costs the kernel one pass over V.
+constexpr int kCudaMaxTopLogprobs = 256;
+
+// Bytes of packed per-row inputs (ControlledPlan::bytes()) one slot stages
+// for one launch of the controlled sampler. The proto does not bound the
+// list lengths; 16 MB holds a full batch of 256 rows each with a V = 151936
+// bitmask (19 KB) and ~4,500 list entries (13 bytes each). A batch over the
+// budget runs in row chunks (each chunk one launch, the staging reused
+// after the previous chunk's copy finished); only a row whose own lists
+// exceed the budget is refused, with INVALID_ARGUMENT for that row alone.
+constexpr size_t kControlledPlanBudgetBytes = size_t{16} << 20;
+
+// ControlledPlan's layout pads each of its six arrays to 256 bytes.
+constexpr size_t kControlledPlanLayoutSlack = 6 * 256;
+
+// The RowResult::exact_fallback label of rows sampled over materialized
+// logits (flashsampler_exact_fallback_total{reason="materialized_logits"}).
+inline constexpr char kMaterializedLogitsFallback[] = "materialized_logits";
+
+// True when the row uses a control beyond temperature and n: the fused
+// kernel alone cannot serve it, the controlled sampler over materialized
+// logits can (docs/design.md#exactness-and-refusals).
+bool NeedsControlledSampler(const SamplingParams& p);
+
+// The CPU sampler's row checks (ValidateRow in cpu_sampler.cc), with the
+// same messages, plus the engine's own limits (n <= kCudaMaxSamples, top
+// logprobs <= kCudaMaxTopLogprobs, packed lists within
+// kControlledPlanBudgetBytes). The controlled kernel assumes ids < V, so
+// every row passes here before it is packed.
+absl::Status ValidateCudaRow(const SamplingParams& p, int64_t vocab);
+
+// Owns the flattened lists a ControlledRowInput points into; reused row
+// after row (AddRow copies what it needs).
+struct ControlledRowLists {
+  std::vector<int32_t> bias_ids;
+  std::vector<float> bias_values;
+  std::vector<int32_t> output_ids;
+  std::vector<int32_t> output_counts;
+};
+
+// SamplingParams + noise key -> the packer's plain input. Clears `lists`
+// and points the input into it and into `spec.params`' vectors, which must
+// outlive the AddRow call.
+ControlledRowInput ControlledInputFrom(const RowSpec& spec,
+                                       ControlledRowLists* lists);
+
+// Upper bound of the bytes a row adds to ControlledPlan::bytes() (its
+// ControlledRow, 13 bytes per list entry before merging, its bitmask),
+// without the layout's padding.
+size_t ControlledRowBytesBound(const SamplingParams& p);
+
+// Consecutive [first, end) row chunks whose bounds (each <= budget -
+// kControlledPlanLayoutSlack) sum to at most budget - slack.
+std::vector<std::pair<int, int>> SplitRowsByBudget(
+    const std::vector<size_t>& row_bounds, size_t budget);
+
+// The CPU sampler's RowResult::error for a controlled-sampler status:
+// kControlledNonFinite names the lowest offending token with its raw and
+// processed values ("logit of token %d is not finite (raw %g, processed
+// %g)").
+std::string ControlledRowError(int32_t status, int32_t error_token,
+                               float raw_logit, float processed_logit);
+
+}  // namespace flashsampler
+
+#endif  // FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CONTROLLED_ROWS_H_

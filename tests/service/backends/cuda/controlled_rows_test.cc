@@ -1,0 +1,285 @@
+// The CUDA engine's host glue for the controlled path, without a GPU: row
+// checks give the CPU sampler's messages, the engine's limits refuse one row
+// naming the field, the SamplingParams -> packer conversion packs what the
+// controlled sampler's own tests pack, and batches over the staging budget
+// split into row chunks that each fit.
+#include "service/backends/cuda/controlled_rows.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/controls/controlled_plan.h"
+#include "kernels/controls/controlled_types.h"
+#include "service/backends/cpu/cpu_sampler.h"
+#include "service/backends/sampling_params.h"
+#include "tests/kernels/controls/controlled_test_util.h"
+
+namespace flashsampler {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kVocab = 100;
+constexpr int kHidden = 8;
+
+std::vector<SamplingParams> InvalidRows() {
+  std::vector<SamplingParams> rows;
+  auto with = [&rows](auto edit) {
+    SamplingParams p;
+    edit(p);
+    rows.push_back(p);
+  };
+  with([](SamplingParams& p) { p.temperature = -1.0f; });
+  with([](SamplingParams& p) {
+    p.temperature = std::numeric_limits<float>::infinity();
+  });
+  with([](SamplingParams& p) { p.top_k = -2; });
+  with([](SamplingParams& p) { p.top_p = 0.0f; });
+  with([](SamplingParams& p) { p.min_p = 1.5f; });
+  with([](SamplingParams& p) { p.repetition_penalty = 0.0f; });
+  with([](SamplingParams& p) {
+    p.presence_penalty = std::numeric_limits<float>::quiet_NaN();
+  });
+  with([](SamplingParams& p) { p.n = 0; });
+  with([](SamplingParams& p) { p.logprobs.top_n = -1; });
+  with([](SamplingParams& p) { p.logit_bias = {{kVocab, 1.0f}}; });
+  with([](SamplingParams& p) {
+    p.logit_bias = {{3, std::numeric_limits<float>::infinity()}};
+  });
+  with([](SamplingParams& p) { p.banned_token_ids = {5, -1}; });
+  with([](SamplingParams& p) { p.prompt_token_ids = {kVocab + 7}; });
+  with([](SamplingParams& p) { p.output_token_counts = {{4, -3}}; });
+  with([](SamplingParams& p) { p.allowed_bitmask.assign(3, ~0u); });
+  return rows;
+}
+
+TEST(ControlledRowsTest, RowChecksGiveTheCpuSamplersMessages) {
+  testing_controls::Model model =
+      testing_controls::MakeModel(kVocab, kHidden, 3);
+  ASSERT_NE(model.sampler, nullptr);
+  const std::vector<SamplingParams> rows = InvalidRows();
+  std::vector<RowSpec> specs(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) specs[i].params = &rows[i];
+  const std::vector<float> hidden =
+      testing_controls::MakeHidden(static_cast<int>(rows.size()), kHidden, 4);
+  std::vector<RowResult> cpu;
+  EXPECT_EQ(model.sampler
+                ->Sample(hidden.data(), static_cast<int>(rows.size()),
+                         specs.data(), &cpu)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_EQ(cpu.size(), rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const absl::Status status = ValidateCudaRow(rows[i], kVocab);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << i;
+    ASSERT_FALSE(cpu[i].error.empty()) << i;
+    EXPECT_EQ(std::string(status.message()), cpu[i].error) << "row " << i;
+  }
+  EXPECT_TRUE(ValidateCudaRow(SamplingParams(), kVocab).ok());
+}
+
+TEST(ControlledRowsTest, EngineLimitsRefuseTheRowNamingTheField) {
+  SamplingParams many;
+  many.n = kCudaMaxSamples + 1;
+  EXPECT_THAT(ValidateCudaRow(many, kVocab).message(),
+              HasSubstr("n must be <= 64"));
+  many.n = kCudaMaxSamples;
+  EXPECT_TRUE(ValidateCudaRow(many, kVocab).ok());
+
+  SamplingParams top;
+  top.logprobs.top_n = kCudaMaxTopLogprobs + 1;
+  EXPECT_THAT(ValidateCudaRow(top, kVocab).message(),
+              HasSubstr("logprobs.top_logprobs must be <= 256"));
+  top.logprobs.top_n = kCudaMaxTopLogprobs;
+  EXPECT_TRUE(ValidateCudaRow(top, kVocab).ok());
+
+  // Packed lists beyond the 16 MB staging: 13 bytes an entry.
+  const size_t limit = kControlledPlanBudgetBytes - kControlledPlanLayoutSlack;
+  const size_t fits = (limit - sizeof(ControlledRow)) / 13;
+  SamplingParams banned;
+  banned.banned_token_ids.assign(fits, 7);
+  EXPECT_LE(ControlledRowBytesBound(banned), limit);
+  EXPECT_TRUE(ValidateCudaRow(banned, kVocab).ok());
+  banned.banned_token_ids.push_back(7);
+  const absl::Status refused = ValidateCudaRow(banned, kVocab);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(),
+              HasSubstr(absl::StrCat("banned_token_ids (", fits + 1, ")")));
+  EXPECT_THAT(refused.message(), HasSubstr(absl::StrCat("at most ", limit)));
+
+  // Prompt ids count only with a repetition penalty (the packer skips them
+  // otherwise).
+  SamplingParams prompt;
+  prompt.prompt_token_ids.assign(fits + 1, 3);
+  prompt.top_k = 5;
+  EXPECT_TRUE(ValidateCudaRow(prompt, kVocab).ok());
+  prompt.repetition_penalty = 1.1f;
+  EXPECT_THAT(ValidateCudaRow(prompt, kVocab).message(),
+              HasSubstr("prompt_token_ids"));
+}
+
+TEST(ControlledRowsTest, OnlyControlsBeyondTemperatureAndNNeedTheSampler) {
+  SamplingParams plain;
+  plain.temperature = 0.3f;
+  plain.n = 8;
+  EXPECT_FALSE(NeedsControlledSampler(plain));
+  std::vector<SamplingParams> controlled(9);
+  controlled[0].top_k = 3;
+  controlled[1].top_p = 0.9f;
+  controlled[2].min_p = 0.1f;
+  controlled[3].logit_bias = {{1, 2.0f}};
+  controlled[4].banned_token_ids = {2};
+  controlled[5].allowed_bitmask.assign(4, ~0u);
+  controlled[6].repetition_penalty = 1.2f;
+  controlled[7].frequency_penalty = 0.5f;
+  controlled[8].logprobs.logsumexp = true;
+  for (size_t i = 0; i < controlled.size(); ++i) {
+    EXPECT_TRUE(NeedsControlledSampler(controlled[i])) << i;
+  }
+}
+
+// The engine's conversion packs byte for byte what the controlled
+// sampler's tests pack (tests/kernels/controls/controlled_test_util.h),
+// for every case they sweep, with one reused ControlledRowLists.
+TEST(ControlledRowsTest, ConversionPacksWhatTheControlledSamplerTestsPack) {
+  const std::vector<testing_controls::Case> cases =
+      testing_controls::Cases(kVocab);
+  for (const testing_controls::Case& c : cases) {
+    const std::vector<RowSpec> specs = testing_controls::Specs(c, 9, 5);
+    ControlledPlan plan;
+    ControlledRowLists lists;
+    for (int round = 0; round < 2; ++round) {
+      plan.Clear();
+      for (const RowSpec& spec : specs) {
+        plan.AddRow(ControlledInputFrom(spec, &lists));
+      }
+      const ControlledPlan expected = testing_controls::PlanOf(specs);
+      ASSERT_EQ(plan.rows(), expected.rows()) << c.name;
+      for (int r = 0; r < plan.rows(); ++r) {
+        const ControlledRow& got = plan.row_controls()[r];
+        const ControlledRow& want = expected.row_controls()[r];
+        EXPECT_TRUE(got.temperature == want.temperature &&
+                    got.top_k == want.top_k && got.top_p == want.top_p &&
+                    got.min_p == want.min_p &&
+                    got.log_min_p == want.log_min_p &&
+                    got.repetition_penalty == want.repetition_penalty &&
+                    got.frequency_penalty == want.frequency_penalty &&
+                    got.presence_penalty == want.presence_penalty &&
+                    got.seed == want.seed && got.step == want.step &&
+                    got.n == want.n && got.top_n == want.top_n &&
+                    got.logprob_flags == want.logprob_flags &&
+                    got.special_begin == want.special_begin &&
+                    got.special_end == want.special_end &&
+                    got.bitmask_offset == want.bitmask_offset)
+            << c.name << " row " << r;
+      }
+      EXPECT_EQ(plan.special_ids(), expected.special_ids()) << c.name;
+      EXPECT_EQ(plan.special_flags(), expected.special_flags()) << c.name;
+      EXPECT_EQ(plan.special_bias(), expected.special_bias()) << c.name;
+      EXPECT_EQ(plan.special_count(), expected.special_count()) << c.name;
+      EXPECT_EQ(plan.bitmask(), expected.bitmask()) << c.name;
+      EXPECT_EQ(plan.max_samples(), expected.max_samples()) << c.name;
+      EXPECT_EQ(plan.max_top_n(), expected.max_top_n()) << c.name;
+      // WriteBytes writes bytes() whatever the buffer held.
+      const std::vector<unsigned char> bytes = plan.bytes();
+      EXPECT_EQ(plan.byte_size(), bytes.size()) << c.name;
+      std::vector<unsigned char> written(plan.byte_size(), 0xee);
+      plan.WriteBytes(written.data());
+      EXPECT_EQ(written, bytes) << c.name;
+    }
+    // The bound holds for each row.
+    for (const RowSpec& spec : specs) {
+      ControlledPlan one;
+      one.AddRow(ControlledInputFrom(spec, &lists));
+      EXPECT_LE(one.byte_size(), ControlledRowBytesBound(*spec.params) +
+                                     kControlledPlanLayoutSlack)
+          << c.name;
+    }
+  }
+}
+
+TEST(ControlledRowsTest, BatchesOverTheBudgetSplitIntoChunksThatFit) {
+  const size_t budget = kControlledPlanBudgetBytes;
+  const size_t limit = budget - kControlledPlanLayoutSlack;
+  const std::vector<size_t> small(256, 1000);
+  EXPECT_EQ(SplitRowsByBudget(small, budget),
+            (std::vector<std::pair<int, int>>{{0, 256}}));
+  // 5 MB rows: three to a chunk.
+  const std::vector<size_t> big(7, size_t{5} << 20);
+  const std::vector<std::pair<int, int>> chunks =
+      SplitRowsByBudget(big, budget);
+  EXPECT_EQ(chunks, (std::vector<std::pair<int, int>>{{0, 3}, {3, 6}, {6, 7}}));
+  // Mixed sizes: consecutive, covering, each within the budget.
+  std::vector<size_t> mixed;
+  for (int i = 0; i < 100; ++i) mixed.push_back((i * 7919 % 13) << 20 | 64);
+  for (size_t& m : mixed) m = std::min(m, limit);
+  const auto split = SplitRowsByBudget(mixed, budget);
+  int next = 0;
+  for (const auto& [first, end] : split) {
+    EXPECT_EQ(first, next);
+    EXPECT_LT(first, end);
+    size_t sum = 0;
+    for (int r = first; r < end; ++r) sum += mixed[r];
+    EXPECT_LE(sum, limit);
+    next = end;
+  }
+  EXPECT_EQ(next, 100);
+  EXPECT_TRUE(SplitRowsByBudget({}, budget).empty());
+}
+
+TEST(ControlledRowsTest, ErrorTextsAreTheCpuSamplers) {
+  EXPECT_EQ(ControlledRowError(kControlledAllMasked, -1, 0.0f, 0.0f),
+            "every token is masked (banned ids, allowed bitmask or -inf bias)");
+  EXPECT_EQ(ControlledRowError(kControlledNonFinite, 17,
+                               std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::infinity()),
+            "logit of token 17 is not finite (raw inf, processed inf)");
+  EXPECT_EQ(ControlledRowError(kControlledNonFinite, 3, 2.5f,
+                               std::numeric_limits<float>::quiet_NaN()),
+            "logit of token 3 is not finite (raw 2.5, processed nan)");
+}
+
+// A row whose logits overflow fails on the CPU with exactly the text
+// ControlledRowError builds from the kernel's error token and values.
+TEST(ControlledRowsTest, NonFiniteMessageMatchesTheCpuOnOverflowingLogits) {
+  testing_controls::Model model =
+      testing_controls::MakeModel(kVocab, kHidden, 9);
+  ASSERT_NE(model.sampler, nullptr);
+  std::vector<float> hidden(kHidden, 0.0f);
+  hidden[0] = std::ldexp(1.0f, 127);  // |W| >= 2 overflows to +-inf
+  SamplingParams p;
+  p.top_k = 4;
+  RowSpec spec;
+  spec.params = &p;
+  std::vector<RowResult> cpu;
+  (void)model.sampler->Sample(hidden.data(), 1, &spec, &cpu);
+  ASSERT_EQ(cpu.size(), 1u);
+  ASSERT_FALSE(cpu[0].error.empty());
+  // The lowest id with |W[id, 0]| >= 2 (MakeModel's W, recomputed).
+  std::mt19937_64 rng(9);
+  std::uniform_int_distribution<int> pick(-3, 3);
+  std::vector<float> w(static_cast<size_t>(kVocab) * kHidden);
+  for (float& v : w) v = static_cast<float>(pick(rng));
+  int32_t token = -1;
+  for (int64_t id = 0; id < kVocab && token < 0; ++id) {
+    if (std::fabs(w[id * kHidden]) >= 2.0f) token = static_cast<int32_t>(id);
+  }
+  ASSERT_GE(token, 0);
+  const float raw = w[token * kHidden] * hidden[0];
+  EXPECT_EQ(cpu[0].error,
+            ControlledRowError(kControlledNonFinite, token, raw, raw));
+}
+
+}  // namespace
+}  // namespace flashsampler
