@@ -272,6 +272,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   // softmax entropy (T = 1) is about 2.5 nats; logits scale with h.
   constexpr int kProbeRows = 8;
   BENCH_CHECK(fused(flat, kProbeRows, logits));
+  // The stream is non-blocking: cudaMemcpy would not wait for it.
+  BENCH_CHECK(cudaStreamSynchronize(stream));
   std::vector<float> probe(static_cast<size_t>(kProbeRows) * vocab);
   BENCH_CHECK(cudaMemcpy(probe.data(), logits, sizeof(float) * probe.size(),
                          cudaMemcpyDeviceToHost));

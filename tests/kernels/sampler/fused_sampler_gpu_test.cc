@@ -848,6 +848,118 @@ TEST_F(FusedSamplerGpuTest, RandomBf16TokensAgreeWithFp32CublasReference) {
       << near_ties << " near-tie disagreements out of " << kRows;
 }
 
+// The CUDA backend samples every controlled row from the logits the fused
+// kernel writes (FusedSampleParams::logits_out), so they must be the model's
+// logits at its real shapes and batch tiles, not only at the tests' small
+// ones: each equals cuBLAS's fp32 dot product to the accumulation order.
+struct LogitsCase {
+  int64_t vocab;
+  int hidden;
+  int batch;
+};
+
+class FusedLogitsOutTest : public FusedSamplerGpuTest,
+                           public ::testing::WithParamInterface<LogitsCase> {};
+
+TEST_P(FusedLogitsOutTest, LogitsOutEqualsCublasAtModelShapes) {
+  const LogitsCase c = GetParam();
+  const int capacity = 256;
+  const int64_t tiles = FusedSampleNumTiles(c.vocab);
+  DeviceArray<uint16_t> weights(static_cast<size_t>(c.vocab) * c.hidden);
+  DeviceArray<uint16_t> hidden(static_cast<size_t>(capacity) * c.hidden);
+  DeviceArray<float> fused_logits(static_cast<size_t>(c.vocab) * c.batch);
+  DeviceArray<float> cublas_logits(static_cast<size_t>(c.vocab) * c.batch);
+  DeviceArray<Candidate> candidates(tiles * c.batch);
+  DeviceArray<float> inv_t_device(c.batch);
+  DeviceArray<uint64_t> seeds_device(c.batch);
+  DeviceArray<uint64_t> steps_device(c.batch);
+  ASSERT_TRUE(weights.ok() && hidden.ok() && fused_logits.ok() &&
+              cublas_logits.ok() && candidates.ok());
+  FS_ASSERT_CUDA(LaunchFillUniform(weights.get(), c.vocab * c.hidden,
+                                   DType::kBf16, 31, 0.3f, nullptr));
+  FS_ASSERT_CUDA(LaunchFillUniform(hidden.get(),
+                                   static_cast<int64_t>(capacity) * c.hidden,
+                                   DType::kBf16, 32, 0.3f, nullptr));
+  std::vector<float> inv_t;
+  std::vector<uint64_t> seeds;
+  std::vector<uint64_t> steps;
+  MakeControls(c.batch, 2, &inv_t, &seeds, &steps);
+  FS_ASSERT_CUDA(inv_t_device.Upload(inv_t));
+  FS_ASSERT_CUDA(seeds_device.Upload(seeds));
+  FS_ASSERT_CUDA(steps_device.Upload(steps));
+  cublasHandle_t cublas;
+  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
+  FS_ASSERT_CUDA(CublasLogits(cublas, weights.get(), hidden.get(), DType::kBf16,
+                              c.vocab, c.hidden, c.batch, cublas_logits.get(),
+                              DType::kFp32, nullptr));
+  FS_ASSERT_CUDA(cudaDeviceSynchronize());
+  cublasDestroy(cublas);
+  std::vector<float> want;
+  FS_ASSERT_CUDA(cublas_logits.Download(&want, c.vocab * c.batch));
+  // Both stage-2 layouts: candidates per tile (tensor parallel), and the
+  // in-kernel stage 2 whose pruning floor lets tiles skip tokens that cannot
+  // win (the one-GPU path): the logits are written either way.
+  const size_t workspace_bytes =
+      FusedSampleWorkspaceSize(c.batch, c.vocab, c.hidden);
+  DeviceArray<unsigned char> workspace(workspace_bytes);
+  DeviceArray<int32_t> tokens(c.batch);
+  ASSERT_TRUE(workspace.ok() && tokens.ok());
+  FS_ASSERT_CUDA(cudaMemset(workspace.get(), 0, workspace_bytes));
+  for (const bool in_kernel : {false, true}) {
+    SCOPED_TRACE(in_kernel ? "in-kernel stage 2" : "candidates");
+    // NaN everywhere first: every logit must be written.
+    FS_ASSERT_CUDA(cudaMemset(fused_logits.get(), 0xff,
+                              sizeof(float) * c.vocab * c.batch));
+    FusedSampleParams params;
+    params.weights = weights.get();
+    params.hidden = hidden.get();
+    params.hidden_capacity_rows = capacity;
+    params.vocab_rows = c.vocab;
+    params.hidden_size = c.hidden;
+    params.batch = c.batch;
+    params.inv_temperature = inv_t_device.get();
+    params.seeds = seeds_device.get();
+    params.steps = steps_device.get();
+    params.candidates = in_kernel ? nullptr : candidates.get();
+    params.token_ids = in_kernel ? tokens.get() : nullptr;
+    params.logits_out = fused_logits.get();
+    FS_ASSERT_CUDA(
+        LaunchFusedSample(params, workspace.get(), workspace_bytes, nullptr));
+    FS_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<float> got;
+    FS_ASSERT_CUDA(fused_logits.Download(&got, c.vocab * c.batch));
+    double max_error = 0;
+    double sum_squares = 0;
+    size_t first_bad = got.size();
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double error = std::fabs(static_cast<double>(got[i]) - want[i]);
+      if (!(error <= 1e-3) && first_bad == got.size()) first_bad = i;
+      max_error = std::max(max_error, error);
+      sum_squares += static_cast<double>(want[i]) * want[i];
+    }
+    ASSERT_EQ(first_bad, got.size())
+        << "row " << first_bad / c.vocab << " token " << first_bad % c.vocab
+        << ": fused " << got[first_bad] << " vs cuBLAS " << want[first_bad];
+    // Not a constant row: the logits' spread is that of the inputs.
+    EXPECT_GT(std::sqrt(sum_squares / got.size()), 0.5) << "logits near zero";
+    EXPECT_LT(max_error, 1e-3);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ModelShapes, FusedLogitsOutTest,
+                         ::testing::Values(LogitsCase{151936, 4096, 1},
+                                           LogitsCase{151936, 4096, 8},
+                                           LogitsCase{151936, 4096, 136},
+                                           LogitsCase{128256, 8192, 1},
+                                           LogitsCase{128256, 8192, 8},
+                                           LogitsCase{128256, 8192, 64},
+                                           LogitsCase{128256, 8192, 136}),
+                         [](const ::testing::TestParamInfo<LogitsCase>& info) {
+                           return "V" + std::to_string(info.param.vocab) +
+                                  "_D" + std::to_string(info.param.hidden) +
+                                  "_B" + std::to_string(info.param.batch);
+                         });
+
 using stats::ChiSquaredPValue;
 
 struct ChiCase {
