@@ -439,7 +439,7 @@ TEST(ServerTest, MetricFamiliesAreExported) {
       MetricValue(later, "flashsampler_device_memory_bytes{device=\"3\"}"),
       1024.0);
   EXPECT_EQ(MetricValue(later,
-                        "flashsampler_exact_fallback_total{reason="
+                        "flashsampler_exact_fallback_rows_total{reason="
                         "\"top_p_nucleus_over_buffer\"}"),
             2.0);
   EXPECT_EQ(Metric(f, "flashsampler_rows_sampled_total"), 2.0);
