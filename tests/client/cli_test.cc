@@ -2,7 +2,8 @@
 // program's own flags and exits 0, --version names the version and the git
 // revision, flashsamplerd refuses to start without --weights or with a CUDA
 // backend it cannot have, and `flashsampler-cli health` exits with
-// grpc_health_probe's codes.
+// grpc_health_probe's codes. Also the C++ client against a real Server:
+// field violations come back with the error.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/client.h"
 #include "flashsampler/version.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
@@ -155,6 +157,28 @@ TEST(CliTest, HealthExitCodesFollowGrpcHealthProbe) {
   EXPECT_EQ(run.exit_code, 1) << run.output;
   run = RunProgram({FS_CLI_BIN, "health", target, "--tls_ca=/no/such/ca.pem"});
   EXPECT_EQ(run.exit_code, 1) << run.output;
+}
+
+TEST(CliTest, ClientErrorsNameTheFieldAtFault) {
+  auto server = testing::StartFakeServer();
+  ASSERT_TRUE(server.ok()) << server.status();
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", server->server->port());
+  auto client = SamplerClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  v1::SampleRequest request = testing::MakeRequest(4, 16, 1);
+  for (int r = 0; r < 4; ++r) request.add_row_params();
+  request.mutable_row_params(3)->set_top_p(1.5f);
+  const absl::StatusOr<v1::SampleResponse> response =
+      (*client)->Sample(request);
+  ASSERT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::optional<FieldViolation> violation =
+      GetFieldViolation(response.status());
+  ASSERT_TRUE(violation.has_value()) << response.status();
+  EXPECT_EQ(violation->field, "row_params[3].top_p");
+  EXPECT_TRUE(absl::StrContains(violation->description, "got 1.5"))
+      << violation->description;
+  EXPECT_EQ(ErrorReason(response.status()), "INVALID_SAMPLING_PARAMS");
 }
 
 }  // namespace
