@@ -179,6 +179,12 @@ TEST(CliTest, ClientErrorsNameTheFieldAtFault) {
   EXPECT_TRUE(absl::StrContains(violation->description, "got 1.5"))
       << violation->description;
   EXPECT_EQ(ErrorReason(response.status()), "INVALID_SAMPLING_PARAMS");
+
+  // ModelInfo names the build it came from.
+  const absl::StatusOr<v1::ModelInfo> info = (*client)->GetModelInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->version(), kVersion);
+  EXPECT_EQ(info->git_revision(), kGitRevision);
 }
 
 }  // namespace
