@@ -8,8 +8,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -18,6 +16,7 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/hidden_states.h"
+#include "common/program_flags.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -73,10 +72,24 @@ namespace {
 constexpr char kUsage[] =
     "flashsampler-cli <command> [flags]\n"
     "  info    print the server's ModelInfo\n"
-    "  health  grpc.health.v1 check; exit 0 only when SERVING\n"
+    "  health  grpc.health.v1 check, exit codes as grpc_health_probe:\n"
+    "            0 SERVING, 1 invalid arguments, 2 connection failure,\n"
+    "            3 RPC failure, 4 unhealthy (NOT_SERVING, SERVICE_UNKNOWN)\n"
     "  sample  sample tokens for random or file-loaded hidden states\n"
     "Common: --target=host:port --timeout=10s --retries=4 [--tls_ca=... "
-    "--tls_cert=... --tls_key=...]";
+    "--tls_cert=... --tls_key=...]\n"
+    "Exit status of info and sample: 0 done, 1 invalid arguments or a "
+    "failed call.";
+
+// `flashsampler-cli health` exit codes, those of grpc_health_probe so that
+// probes and scripts written for it read ours the same way.
+enum HealthExit {
+  kHealthServing = 0,
+  kHealthInvalidArguments = 1,
+  kHealthConnectionFailure = 2,
+  kHealthRpcFailure = 3,
+  kHealthUnhealthy = 4,
+};
 
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "error: %s\n", status.ToString().c_str());
@@ -149,9 +162,16 @@ int RunInfo(SamplerClient& client) {
 
 int RunHealth(SamplerClient& client) {
   auto health = client.CheckHealth(absl::GetFlag(FLAGS_service));
-  if (!health.ok()) return Fail(health.status());
+  if (!health.ok()) {
+    std::fprintf(stderr, "error: %s\n", health.status().ToString().c_str());
+    // UNAVAILABLE: no connection could be made (refused, no route, TLS
+    // handshake failed) before the deadline; anything else: the RPC itself
+    // failed (deadline, UNIMPLEMENTED without a health service, ...).
+    return absl::IsUnavailable(health.status()) ? kHealthConnectionFailure
+                                                : kHealthRpcFailure;
+  }
   std::printf("%s\n", HealthStatusName(*health));
-  return *health == HealthStatus::kServing ? 0 : 1;
+  return *health == HealthStatus::kServing ? kHealthServing : kHealthUnhealthy;
 }
 
 int RunSample(SamplerClient& client) {
@@ -232,19 +252,22 @@ int RunSample(SamplerClient& client) {
 }
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(kUsage);
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  const ParsedCommandLine parsed = ParseProgramFlags(
+      argc, argv, "flashsampler-cli", "client/cli_main.cc", kUsage);
+  if (parsed.exit_code.has_value()) return *parsed.exit_code;
+  const std::vector<char*>& args = parsed.args;
   if (args.size() != 2) {
     std::fprintf(stderr, "%s\n", kUsage);
-    return 2;
+    return kHealthInvalidArguments;
   }
   const std::string command = args[1];
   if (command != "info" && command != "health" && command != "sample") {
     std::fprintf(stderr, "unknown command \"%s\"\n%s\n", command.c_str(),
                  kUsage);
-    return 2;
+    return kHealthInvalidArguments;
   }
   auto client = NewClient();
+  // Bad TLS files, a malformed target, ...: invalid arguments (1).
   if (!client.ok()) return Fail(client.status());
   if (command == "info") return RunInfo(**client);
   if (command == "health") return RunHealth(**client);

@@ -204,9 +204,7 @@ const char* HealthStatusName(HealthStatus status) {
 }
 
 absl::Status ToAbslStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
+  return FromGrpcStatus(status);
 }
 
 absl::Status ResponseStatus(const v1::SampleResponse& response) {
@@ -357,13 +355,18 @@ absl::Status SamplerClient::CallWithRetry(
     if (attempts >= retry.max_attempts || absl::Now() + sleep >= deadline) {
       // Say why we stopped: "UNAVAILABLE ... (gave up after 4 attempts)"
       // tells an operator the client did retry.
-      return absl::Status(
+      absl::Status gave_up(
           result.code(),
           absl::StrCat(result.message(), " (gave up after ", attempts,
                        attempts == 1 ? " attempt" : " attempts",
                        attempts >= retry.max_attempts
                            ? ")"
                            : ": the next retry would pass the deadline)"));
+      result.ForEachPayload(
+          [&gave_up](absl::string_view url, const absl::Cord& payload) {
+            gave_up.SetPayload(url, payload);
+          });
+      return gave_up;
     }
     retries_.fetch_add(1);
     absl::SleepFor(sleep);

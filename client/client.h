@@ -20,6 +20,8 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/dtype.h"
+#include "common/field_violation.h"
+#include "common/status_util.h"
 #include "flashsampler/v1/sampler.grpc.pb.h"
 
 namespace flashsampler {
@@ -100,6 +102,14 @@ absl::StatusOr<v1::SampleRequest> MakeSampleRequest16(
     const RequestFields& fields, DType wire_dtype = DType::kBf16);
 
 // gRPC status -> absl::Status (the code numbers are the same google.rpc.Code).
+// Every error this client returns went through it, so an INVALID_ARGUMENT
+// from the server keeps the request field at fault (the google.rpc.BadRequest
+// the server sends in grpc-status-details-bin):
+//   GetFieldViolation(status)->field        e.g. "row_params[3].top_p"
+//   GetFieldViolation(status)->description  e.g. "must be in (0, 1] ..."
+//   ErrorReason(status)                     e.g. "INVALID_SAMPLING_PARAMS"
+// (common/field_violation.h, common/status_util.h; FieldViolations(const
+// grpc::Status&) reads every violation of a raw gRPC status).
 absl::Status ToAbslStatus(const grpc::Status& status);
 
 // OK, or the failure a SampleStream response carries in its `error` field

@@ -4,7 +4,10 @@
 #include "common/status_util.h"
 
 #include "absl/strings/cord.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 
 namespace flashsampler {
 
@@ -90,15 +93,116 @@ absl::StatusCode FromGrpcCode(grpc::StatusCode code) {
   }
 }
 
+namespace {
+
+constexpr absl::string_view kTypeUrlPrefix = "type.googleapis.com/";
+
+std::string ReasonForField(absl::string_view field) {
+  if (absl::StartsWith(field, "params") ||
+      absl::StartsWith(field, "row_params")) {
+    return "INVALID_SAMPLING_PARAMS";
+  }
+  if (absl::StartsWith(field, "hidden_states")) return "INVALID_HIDDEN_STATES";
+  return "INVALID_REQUEST";
+}
+
+void AddDetail(const google::protobuf::Message& detail,
+               google::rpc::Status* status) {
+  google::protobuf::Any* any = status->add_details();
+  any->set_type_url(
+      absl::StrCat(kTypeUrlPrefix, detail.GetDescriptor()->full_name()));
+  any->set_value(detail.SerializeAsString());
+}
+
+// The google.rpc.Status of grpc-status-details-bin; false when absent or
+// unreadable.
+bool ParseDetails(const grpc::Status& status, google::rpc::Status* details) {
+  return !status.error_details().empty() &&
+         details->ParseFromString(status.error_details());
+}
+
+bool IsType(const google::protobuf::Any& any,
+            const google::protobuf::Message& message) {
+  return any.type_url() ==
+         absl::StrCat(kTypeUrlPrefix, message.GetDescriptor()->full_name());
+}
+
+}  // namespace
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(ToGrpcCode(status.code()), std::string(status.message()));
+  const grpc::StatusCode code = ToGrpcCode(status.code());
+  std::string message(status.message());
+  google::rpc::ErrorInfo info;
+  google::rpc::Status details;
+  if (std::optional<FieldViolation> violation = GetFieldViolation(status)) {
+    google::rpc::BadRequest bad_request;
+    google::rpc::BadRequest::FieldViolation* v =
+        bad_request.add_field_violations();
+    v->set_field(violation->field);
+    v->set_description(violation->description);
+    AddDetail(bad_request, &details);
+    info.set_reason(ReasonForField(violation->field));
+    (*info.mutable_metadata())["field"] = violation->field;
+  } else if (IsFatalDeviceError(status)) {
+    info.set_reason("FATAL_DEVICE_ERROR");
+  } else {
+    return grpc::Status(code, std::move(message));
+  }
+  info.set_domain(std::string(kErrorDomain));
+  AddDetail(info, &details);
+  details.set_code(static_cast<int32_t>(code));
+  details.set_message(message);
+  return grpc::Status(code, std::move(message), details.SerializeAsString());
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(FromGrpcCode(status.error_code()),
+  absl::Status result(FromGrpcCode(status.error_code()),
                       status.error_message());
+  const std::vector<FieldViolation> violations = FieldViolations(status);
+  if (!violations.empty()) {
+    result.SetPayload(kFieldViolationPayload,
+                      absl::Cord(violations.front().field));
+  }
+  const std::string reason = ErrorReason(status);
+  if (!reason.empty())
+    result.SetPayload(kErrorReasonPayload, absl::Cord(reason));
+  return result;
+}
+
+std::vector<FieldViolation> FieldViolations(const grpc::Status& status) {
+  std::vector<FieldViolation> violations;
+  google::rpc::Status details;
+  if (!ParseDetails(status, &details)) return violations;
+  for (const google::protobuf::Any& any : details.details()) {
+    google::rpc::BadRequest bad_request;
+    if (!IsType(any, bad_request) ||
+        !bad_request.ParseFromString(any.value())) {
+      continue;
+    }
+    for (const auto& v : bad_request.field_violations()) {
+      violations.push_back({v.field(), v.description()});
+    }
+  }
+  return violations;
+}
+
+std::string ErrorReason(const grpc::Status& status) {
+  google::rpc::Status details;
+  if (!ParseDetails(status, &details)) return "";
+  for (const google::protobuf::Any& any : details.details()) {
+    google::rpc::ErrorInfo info;
+    if (IsType(any, info) && info.ParseFromString(any.value())) {
+      return info.reason();
+    }
+  }
+  return "";
+}
+
+std::string ErrorReason(const absl::Status& status) {
+  const auto reason = status.GetPayload(kErrorReasonPayload);
+  return reason.has_value() ? std::string(*reason) : "";
 }
 
 absl::Status FatalDeviceError(absl::string_view message) {

@@ -10,13 +10,12 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/hidden_states.h"
+#include "common/program_flags.h"
 #include "load/load_runner.h"
 #include "load/load_stats.h"
 
@@ -64,10 +63,11 @@ int Fail(const absl::Status& status) {
 }
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  const ParsedCommandLine parsed = ParseProgramFlags(
+      argc, argv, "fs_load", "load/load_main.cc",
       "fs_load --target=host:port [--mode=closed --concurrency=N [--stream] | "
       "--mode=open --rate=R] [--duration=10s --rows=B --csv=out.csv]");
-  absl::ParseCommandLine(argc, argv);
+  if (parsed.exit_code.has_value()) return *parsed.exit_code;
 
   LoadOptions load;
   const std::string mode = absl::GetFlag(FLAGS_mode);

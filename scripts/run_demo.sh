@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's run command. On a fresh Debian 12 machine: installs what it
-# needs, builds flashsamplerd and flashsampler-cli, starts the daemon on the
-# built-in synthetic weights on free loopback ports, waits until health says
-# SERVING, samples tokens for random hidden states with the CLI, shows where
+# needs, builds flashsamplerd and flashsampler-cli, starts the daemon on
+# synthetic weights (asked for by name: the daemon serves nothing without
+# --weights) on free loopback ports, waits until health says SERVING, samples tokens for random hidden states with the CLI, shows where
 # the metrics are (and a few of them), then stops the daemon with SIGTERM
 # and checks that it drained and exited 0.
 set -euo pipefail
@@ -31,7 +31,8 @@ trap cleanup EXIT
 metrics_port=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 echo "== starting flashsamplerd (synthetic weights: V=32000, D=512)"
-"$daemon" --listen_address=127.0.0.1:0 --metrics_address=127.0.0.1 \
+"$daemon" --weights=synthetic:vocab=32000,hidden=512,seed=1 \
+  --listen_address=127.0.0.1:0 --metrics_address=127.0.0.1 \
   --metrics_port="$metrics_port" --drain_timeout=10s 2>"$log" &
 daemon_pid=$!
 

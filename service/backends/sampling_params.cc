@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/field_violation.h"
 
 namespace flashsampler {
 
@@ -56,8 +57,7 @@ class FieldChecker {
   }
   absl::Status Invalid(absl::string_view field,
                        absl::string_view expected) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat(Name(field), ": ", expected));
+    return FieldViolationError(Name(field), expected);
   }
   absl::Status TokenId(absl::string_view field, int64_t id) const {
     if (id >= 0 && id < vocab_) return absl::OkStatus();

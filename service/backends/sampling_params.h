@@ -126,7 +126,7 @@ struct RowResult {
   // Set when a fast path could not certify exactness and the row took an
   // exact fallback (docs/design.md#exactness-and-refusals); names the
   // reason for the metric
-  // flashsampler_exact_fallback_total. Null otherwise.
+  // flashsampler_exact_fallback_rows_total. Null otherwise.
   const char* exact_fallback = nullptr;
 };
 

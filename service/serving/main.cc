@@ -13,12 +13,13 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/program_flags.h"
 #include "service/serving/server.h"
 #include "service/serving/server_options.h"
 
@@ -59,9 +60,11 @@ ABSL_FLAG(int, max_top_logprobs, kDefaults.limits.max_top_logprobs,
 ABSL_FLAG(absl::Duration, drain_timeout, kDefaults.drain_timeout,
           "On SIGTERM: time accepted requests get to finish");
 ABSL_FLAG(std::string, weights, kDefaults.weights.source,
-          "LM-head weights: a .safetensors file, a "
-          "model.safetensors.index.json, a directory, or "
-          "synthetic:vocab=V,hidden=D,seed=S[,dtype=bf16|fp16|fp32]");
+          "Required. LM-head weights: a .safetensors file, a "
+          "model.safetensors.index.json, a directory, or synthetic weights "
+          "asked for by name: "
+          "synthetic:vocab=V,hidden=D,seed=S[,dtype=bf16|fp16|fp32] (e.g. "
+          "synthetic:vocab=32000,hidden=512,seed=1)");
 ABSL_FLAG(std::string, weights_tensor, kDefaults.weights.tensor_name,
           "Tensor name (default lm_head.weight, else "
           "model.embed_tokens.weight)");
@@ -208,14 +211,38 @@ int main(int argc, char** argv) {
     Log("startup failed: cannot install the SIGTERM/SIGINT handlers");
     return 1;
   }
-  absl::SetProgramUsageMessage(
-      "flashsamplerd: LM-head sampling daemon (hidden states in, token ids "
-      "out) over gRPC. See docs/api.md.");
-  absl::ParseCommandLine(argc, argv);
+  const flashsampler::ParsedCommandLine parsed =
+      flashsampler::ParseProgramFlags(
+          argc, argv, "flashsamplerd", "service/serving/main.cc",
+          "flashsamplerd --weights=<checkpoint or synthetic:...> [flags]\n"
+          "LM-head sampling daemon (hidden states in, token ids out) over "
+          "gRPC.\n"
+          "See docs/operations.md (running it) and docs/api.md (the API).");
+  if (parsed.exit_code.has_value()) return *parsed.exit_code;
+  if (parsed.args.size() > 1) {
+    Log(absl::StrCat("startup failed: unexpected argument \"", parsed.args[1],
+                     "\" (flags are --name=value)"));
+    return 1;
+  }
   const flashsampler::ServerOptions options = OptionsFromFlags();
+  if (options.weights.source.empty()) {
+    Log("startup failed: no --weights given. Serve a checkpoint "
+        "(--weights=/models/lm_head.safetensors, a "
+        "model.safetensors.index.json or a directory) or ask for synthetic "
+        "weights by name, e.g. "
+        "--weights=synthetic:vocab=32000,hidden=512,seed=1");
+    return 1;
+  }
+  Log(flashsampler::VersionLine("flashsamplerd"));
   RaiseDescriptorLimit();
 
   Log(absl::StrCat("loading weights from ", options.weights.source));
+  if (options.metrics_port != 0) {
+    Log(absl::StrCat("metrics on http://", options.metrics_address, ":",
+                     options.metrics_port,
+                     "/metrics (flashsampler_serving_state, "
+                     "flashsampler_load_progress_ratio during the load)"));
+  }
   auto load = std::make_shared<LoadResult>();
   std::thread loader([load, options] {
     load->server = flashsampler::Server::Create(options);
@@ -235,10 +262,23 @@ int main(int argc, char** argv) {
     return 1;
   }
   const flashsampler::EngineInfo& info = (*server)->engine_info();
+  const flashsampler::v1::ModelInfo& model = (*server)->model_info();
+  std::vector<int> devices;
+  for (const flashsampler::ShardInfo& shard : info.shards) {
+    if (shard.device >= 0) devices.push_back(shard.device);
+  }
   Log(absl::StrCat(
-      "backend ", info.backend, ", V=", info.vocab_size,
-      ", D=", info.hidden_size, ", weights ",
-      flashsampler::DTypeName(info.weight_dtype), ", tp ", info.shards.size(),
+      "weights ", model.weights_source(),
+      model.weights_tensor().empty()
+          ? ""
+          : absl::StrCat(" [", model.weights_tensor(), "]"),
+      ": V=", info.vocab_size, ", D=", info.hidden_size, ", ",
+      flashsampler::DTypeName(info.weight_dtype), ", sha256 ",
+      model.weights_sha256(), "; backend ", info.backend,
+      devices.empty()
+          ? ""
+          : absl::StrCat(" on devices ", absl::StrJoin(devices, ",")),
+      ", tp ", info.shards.size(),
       info.tp_transport.empty() ? ""
                                 : absl::StrCat(" over ", info.tp_transport)));
   if (absl::Status s = (*server)->Start(); !s.ok()) {
@@ -247,10 +287,6 @@ int main(int argc, char** argv) {
   }
   Log(absl::StrCat("serving on port ", (*server)->port(), " (",
                    options.listen_address, ")"));
-  if ((*server)->metrics_port() != 0) {
-    Log(absl::StrCat("metrics on http://", options.metrics_address, ":",
-                     (*server)->metrics_port(), "/metrics"));
-  }
 
   // Wait for a stop signal, checking once a second that gRPC still accepts.
   int signal_number = -1;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -18,6 +19,10 @@
 #include "prometheus/registry.h"
 
 namespace flashsampler {
+
+// What health would answer, as flashsampler_serving_state shows it.
+enum class ServingState { kLoading, kServing, kDraining, kNotServing };
+const char* ServingStateName(ServingState state);
 
 class Metrics {
  public:
@@ -41,6 +46,13 @@ class Metrics {
   void SetDeviceMemoryBytes(int device, double bytes);
   void SetWeightsInfo(int64_t vocab, int64_t hidden, absl::string_view dtype,
                       int tp, absl::string_view backend);
+
+  // Upper bounds of the latency histograms (request, queue wait, batch).
+  static const std::vector<double>& LatencyBucketBounds();
+  // flashsampler_serving_state{state=...}: 1 for `state`, 0 for the others.
+  void SetServingState(ServingState state);
+  // flashsampler_load_progress_ratio, 0..1 (server.h says what each step is).
+  void SetLoadProgress(double ratio);
   // A fast path that could not certify exactness fell back to the exact
   // path (docs/design.md#exactness-and-refusals).
   void CountExactFallback(absl::string_view reason, double rows);
@@ -63,6 +75,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* device_memory_;
   prometheus::Family<prometheus::Gauge>* weights_info_;
   prometheus::Family<prometheus::Counter>* exact_fallback_;
+  prometheus::Gauge* state_gauges_[4];
+  prometheus::Gauge* load_progress_;
 };
 
 }  // namespace flashsampler

@@ -14,13 +14,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype_convert.h"
+#include "common/field_violation.h"
 
 namespace flashsampler {
 
 namespace {
 
 absl::Status Invalid(absl::string_view field, absl::string_view expected) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", expected));
+  return FieldViolationError(field, expected);
 }
 
 absl::StatusOr<DType> FromProtoDType(int dtype) {

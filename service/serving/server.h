@@ -3,9 +3,17 @@
 // Prometheus metrics endpoint, and orders their start and stop.
 //
 // Lifecycle:
-//   Create()  loads the weights and builds the engine (nothing listens yet).
+//   Create()  starts the metrics endpoint (so that Prometheus sees
+//             flashsampler_serving_state{state="loading"} and
+//             flashsampler_load_progress_ratio during a minutes-long load),
+//             loads and checksums the weights and builds the engine (the
+//             gRPC port does not listen yet). Progress: 0 while reading the
+//             weights, 0.5 once read and checksummed, 0.75 once the backend
+//             holds them, 1 after the warm-up (the loader reports no finer
+//             steps; reading and device upload dominate).
 //   Start()   runs a warm-up batch on every engine slot, starts the batcher,
-//             the metrics endpoint and the gRPC server, then reports SERVING.
+//             the metrics endpoint (if Create did not) and the gRPC server,
+//             then reports SERVING.
 //             gRPC starts last, so health never answers SERVING before the
 //             warm-up (the default health service starts out SERVING).
 //   Stop()    in this order, each step for a reason:
@@ -35,6 +43,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "flashsampler/v1/sampler.pb.h"
 #include "grpcpp/server.h"
 #include "service/backends/engine.h"
 #include "service/serving/batcher.h"
@@ -49,6 +58,8 @@ namespace flashsampler {
 class Server {
  public:
   // Loads options.weights and builds the backend options.backend names.
+  // An empty options.weights.source is refused (InvalidArgument saying how
+  // to ask for synthetic weights).
   static absl::StatusOr<std::unique_ptr<Server>> Create(
       const ServerOptions& options);
   // Serves an engine built by the caller (tests, embedders); `weights`, if
@@ -74,8 +85,10 @@ class Server {
   int port() const { return port_; }
   // The bound metrics port after Start(); 0 when metrics are off.
   int metrics_port() const { return metrics_port_; }
-  Metrics& metrics() { return metrics_; }
+  Metrics& metrics() { return *metrics_; }
   const EngineInfo& engine_info() const { return info_; }
+  // What GetModelInfo answers (weights, backend, build).
+  const v1::ModelInfo& model_info() const { return model_; }
   // What a health check answers right now.
   bool serving() const;
   // Largest request message the server accepts, derived from the model.
@@ -91,19 +104,38 @@ class Server {
   static absl::Status ListenerHealth();
 
  private:
+  // What Create() made before the engine existed: the metrics (and their
+  // endpoint, already serving) and the weights' identity.
+  struct Prepared {
+    std::unique_ptr<Metrics> metrics;
+    std::unique_ptr<MetricsHttpServer> metrics_http;
+    std::string weights_tensor;
+    std::string weights_sha256;
+  };
+  static absl::StatusOr<std::unique_ptr<Server>> CreateImpl(
+      const ServerOptions& options, std::unique_ptr<Engine> engine,
+      std::shared_ptr<const Weights> weights, std::string weights_source,
+      Prepared prepared);
   Server(const ServerOptions& options, std::shared_ptr<const Weights> weights,
-         std::unique_ptr<Engine> engine, std::string weights_source);
+         std::unique_ptr<Engine> engine, std::string weights_source,
+         Prepared prepared);
 
   absl::Status WarmUp();
   absl::Status StartMetrics();
   absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc();
   void SetServing(bool serving) ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu_);
+  // Binds the metrics endpoint on options.metrics_port, serving `metrics`.
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> ServeMetrics(
+      const ServerOptions& options, Metrics* metrics);
   void OnFatal(const absl::Status& status);
 
   const ServerOptions options_;
   const std::string weights_source_;
   EngineInfo info_;  // a copy: still readable after Stop() frees the engine
-  Metrics metrics_;
+  v1::ModelInfo model_;
+  std::unique_ptr<Metrics> metrics_;
+  // Declared after metrics_, so destroyed before it (it reads metrics_).
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
   // Declared in teardown order reversed: the engine reads the weights, the
   // batcher drives the engine, the service feeds the batcher.
   std::shared_ptr<const Weights> weights_;
@@ -111,7 +143,6 @@ class Server {
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<SamplerService> service_;
   std::unique_ptr<grpc::Server> grpc_server_ ABSL_GUARDED_BY(health_mu_);
-  std::unique_ptr<MetricsHttpServer> metrics_http_;
   int port_ = 0;
   int metrics_port_ = 0;
   int max_receive_bytes_ = 0;

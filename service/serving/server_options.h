@@ -66,8 +66,14 @@ struct ServerOptions {
   // How long Stop() (SIGTERM) lets accepted requests and open streams finish
   // before the gRPC server cancels what is left.
   absl::Duration drain_timeout = absl::Seconds(30);
-  // Where W comes from (default: built-in synthetic weights, V=32000, D=512).
-  WeightsOptions weights;
+  // Where W comes from. No default: Server::Create refuses an empty source,
+  // so synthetic weights are served only when named
+  // ("synthetic:vocab=32000,hidden=512,seed=1"), never by accident.
+  WeightsOptions weights = [] {
+    WeightsOptions none;
+    none.source.clear();
+    return none;
+  }();
   // "auto" (cuda when built with the CUDA backend and a GPU is visible, else
   // cpu), "cpu" or "cuda".
   std::string backend = "auto";

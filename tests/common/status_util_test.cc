@@ -9,6 +9,8 @@
 #include "absl/status/statusor.h"
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 #include "gtest/gtest.h"
 
 namespace flashsampler {
@@ -130,6 +132,59 @@ absl::StatusOr<int> AssignOrReturn(bool ok) {
   int existing = 0;
   FS_ASSIGN_OR_RETURN(existing, Number(true));
   return number + *pointer + existing;
+}
+
+TEST(StatusUtilTest, FieldViolationTravelsAsBadRequest) {
+  const absl::Status status =
+      FieldViolationError("row_params[3].top_p", "must be in (0, 1], got 2");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(), "row_params[3].top_p: must be in (0, 1], got 2");
+
+  const grpc::Status wire = ToGrpcStatus(status);
+  EXPECT_EQ(wire.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(wire.error_message(), status.message());
+  // The trailer is a plain google.rpc.Status any gRPC client can read.
+  google::rpc::Status details;
+  ASSERT_TRUE(details.ParseFromString(wire.error_details()));
+  EXPECT_EQ(details.code(), 3);
+  EXPECT_EQ(details.message(), status.message());
+  ASSERT_EQ(details.details_size(), 2);
+  EXPECT_EQ(details.details(0).type_url(),
+            "type.googleapis.com/google.rpc.BadRequest");
+  google::rpc::BadRequest bad_request;
+  ASSERT_TRUE(bad_request.ParseFromString(details.details(0).value()));
+  ASSERT_EQ(bad_request.field_violations_size(), 1);
+  EXPECT_EQ(bad_request.field_violations(0).field(), "row_params[3].top_p");
+  EXPECT_EQ(bad_request.field_violations(0).description(),
+            "must be in (0, 1], got 2");
+  EXPECT_EQ(details.details(1).type_url(),
+            "type.googleapis.com/google.rpc.ErrorInfo");
+  google::rpc::ErrorInfo info;
+  ASSERT_TRUE(info.ParseFromString(details.details(1).value()));
+  EXPECT_EQ(info.reason(), "INVALID_SAMPLING_PARAMS");
+  EXPECT_EQ(info.domain(), "flashsampler");
+  EXPECT_EQ(info.metadata().at("field"), "row_params[3].top_p");
+
+  // And back: the client's absl::Status keeps field, description, reason.
+  const absl::Status back = FromGrpcStatus(wire);
+  const std::optional<FieldViolation> violation = GetFieldViolation(back);
+  ASSERT_TRUE(violation.has_value());
+  EXPECT_EQ(violation->field, "row_params[3].top_p");
+  EXPECT_EQ(violation->description, "must be in (0, 1], got 2");
+  EXPECT_EQ(ErrorReason(back), "INVALID_SAMPLING_PARAMS");
+  ASSERT_EQ(FieldViolations(wire).size(), 1u);
+}
+
+TEST(StatusUtilTest, PlainErrorsCarryNoDetails) {
+  const grpc::Status wire =
+      ToGrpcStatus(absl::InvalidArgumentError("no field here"));
+  EXPECT_TRUE(wire.error_details().empty());
+  EXPECT_TRUE(FieldViolations(wire).empty());
+  EXPECT_EQ(ErrorReason(wire), "");
+  EXPECT_FALSE(GetFieldViolation(FromGrpcStatus(wire)).has_value());
+  EXPECT_EQ(
+      ErrorReason(ToGrpcStatus(FatalDeviceError("cuda: illegal address"))),
+      "FATAL_DEVICE_ERROR");
 }
 
 TEST(StatusMacrosTest, ReturnIfError) {

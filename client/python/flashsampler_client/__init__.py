@@ -8,7 +8,7 @@ tensors) in, token ids out. FlashSamplerClient blocks; AsyncFlashSamplerClient
 """
 
 from flashsampler_client._common import (DeadlineExceededError,
-                                         FlashSamplerError,
+                                         FieldViolation, FlashSamplerError,
                                          InvalidArgumentError,
                                          ResourceExhaustedError,
                                          UnavailableError, UnimplementedError,
@@ -20,6 +20,7 @@ __all__ = [
     "FlashSamplerClient",
     "SampleStream",
     "FlashSamplerError",
+    "FieldViolation",
     "InvalidArgumentError",
     "UnavailableError",
     "ResourceExhaustedError",

@@ -5,8 +5,8 @@ the dependency-free grpc.health.v1 codec.
 
 import random
 import sys
-from typing import (TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple,
-                    Type, Union)
+from typing import (TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple,
+                    Optional, Sequence, Tuple, Type, Union)
 
 import grpc
 import numpy as np
@@ -30,15 +30,33 @@ SAMPLE = "/flashsampler.v1.Sampler/Sample"
 SAMPLE_STREAM = "/flashsampler.v1.Sampler/SampleStream"
 GET_MODEL_INFO = "/flashsampler.v1.Sampler/GetModelInfo"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# Trailer holding a serialized google.rpc.Status (gRPC's rich error model).
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class FieldViolation(NamedTuple):
+    """One invalid request field (google.rpc.BadRequest.FieldViolation):
+    `field` as the request spells it ("row_params[3].top_p"), `description`
+    what is wrong with it."""
+    field: str
+    description: str
 
 
 class FlashSamplerError(Exception):
-    """A call failed; `code` is the grpc.StatusCode, `message` the server's."""
+    """A call failed; `code` is the grpc.StatusCode, `message` the server's.
+    For an invalid request, `field_violations` names the fields at fault and
+    `reason` is the server's machine-readable reason
+    ("INVALID_SAMPLING_PARAMS", "INVALID_HIDDEN_STATES", ...; "" if none),
+    both read from the google.rpc.Status in grpc-status-details-bin."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 field_violations: Sequence[FieldViolation] = (),
+                 reason: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.field_violations: List[FieldViolation] = list(field_violations)
+        self.reason = reason
 
 
 class InvalidArgumentError(FlashSamplerError, ValueError):
@@ -71,8 +89,11 @@ _ERRORS: Dict[Any, Type[FlashSamplerError]] = {
 _CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def make_error(code: grpc.StatusCode, message: str) -> FlashSamplerError:
-    return _ERRORS.get(code, FlashSamplerError)(code, message)
+def make_error(code: grpc.StatusCode, message: str,
+               field_violations: Sequence[FieldViolation] = (),
+               reason: str = "") -> FlashSamplerError:
+    return _ERRORS.get(code, FlashSamplerError)(code, message,
+                                                field_violations, reason)
 
 
 def to_error(rpc_error: grpc.RpcError, attempts: int = 1) -> FlashSamplerError:
@@ -80,7 +101,19 @@ def to_error(rpc_error: grpc.RpcError, attempts: int = 1) -> FlashSamplerError:
     message = rpc_error.details() or ""
     if attempts > 1:
         message += f" (gave up after {attempts} attempts)"
-    return make_error(code, message)
+    violations: List[FieldViolation] = []
+    reason = ""
+    try:
+        trailing = rpc_error.trailing_metadata() or ()
+    except Exception:  # an error raised before any trailer arrived
+        trailing = ()
+    for key, value in trailing:
+        if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
+            try:
+                violations, reason = decode_status_details(value)
+            except ValueError:
+                pass  # unreadable details: code and message still stand
+    return make_error(code, message, violations, reason)
 
 
 def check_response(
@@ -120,13 +153,73 @@ def _read_varint(data: bytes, pos: int) -> Tuple[int, int]:
     value, shift = 0, 0
     while True:
         if pos >= len(data) or shift > 63:
-            raise ValueError("malformed HealthCheckResponse")
+            raise ValueError("malformed protobuf message")
         byte = data[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
             return value, pos
         shift += 7
+
+
+def _fields(data: bytes) -> Iterator[Tuple[int, Union[int, bytes]]]:
+    """(field number, value) of every varint and length-delimited field of
+    one protobuf message; fixed-width fields are skipped."""
+    pos = 0
+    while pos < len(data):
+        tag, pos = _read_varint(data, pos)
+        wire_type = tag & 7
+        if wire_type == 0:
+            value, pos = _read_varint(data, pos)
+            yield tag >> 3, value
+        elif wire_type == 2:
+            length, pos = _read_varint(data, pos)
+            if pos + length > len(data):
+                raise ValueError("malformed protobuf message")
+            yield tag >> 3, data[pos:pos + length]
+            pos += length
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise ValueError("malformed protobuf message")
+
+
+def _text(value: Union[int, bytes]) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else ""
+
+
+_BAD_REQUEST_URL = "type.googleapis.com/google.rpc.BadRequest"
+_ERROR_INFO_URL = "type.googleapis.com/google.rpc.ErrorInfo"
+
+
+def decode_status_details(
+        data: bytes) -> Tuple[List[FieldViolation], str]:
+    """The field violations and the ErrorInfo reason of a serialized
+    google.rpc.Status, read from the wire format so that no
+    googleapis-common-protos package is needed: Status {details = 3: Any},
+    Any {type_url = 1, value = 2}, BadRequest {field_violations = 1:
+    {field = 1, description = 2}}, ErrorInfo {reason = 1}."""
+    violations: List[FieldViolation] = []
+    reason = ""
+    for number, detail in _fields(data):
+        if number != 3 or not isinstance(detail, bytes):
+            continue
+        any_fields = dict(_fields(detail))
+        type_url = _text(any_fields.get(1, b""))
+        value = any_fields.get(2, b"")
+        if not isinstance(value, bytes):
+            continue
+        if type_url == _BAD_REQUEST_URL:
+            for n, violation in _fields(value):
+                if n == 1 and isinstance(violation, bytes):
+                    v = dict(_fields(violation))
+                    violations.append(FieldViolation(
+                        _text(v.get(1, b"")), _text(v.get(2, b""))))
+        elif type_url == _ERROR_INFO_URL and not reason:
+            reason = _text(dict(_fields(value)).get(1, b""))
+    return violations, reason
 
 
 def decode_health_response(data: bytes) -> str:
@@ -146,7 +239,7 @@ def decode_health_response(data: bytes) -> str:
         elif wire_type == 5:
             pos += 4
         else:
-            raise ValueError("malformed HealthCheckResponse")
+            raise ValueError("malformed protobuf message")
     return _HEALTH_NAMES.get(status, "UNKNOWN")
 
 

@@ -16,7 +16,30 @@ import numpy as np
 
 from flashsampler.v1 import sampler_pb2, sampler_pb2_grpc
 import flashsampler_client
+from flashsampler_client import _common
 from flashsampler_client import client as client_module
+
+
+def _pb_bytes(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field, written by hand (no
+    googleapis-common-protos here either)."""
+    return (_common._varint(number << 3 | 2) + _common._varint(len(payload))
+            + payload)
+
+
+def status_details(code, message, violations, reason):
+    """A serialized google.rpc.Status with a BadRequest and an ErrorInfo."""
+    bad_request = b"".join(
+        _pb_bytes(1, _pb_bytes(1, f.encode()) + _pb_bytes(2, d.encode()))
+        for f, d in violations)
+    info = _pb_bytes(1, reason.encode()) + _pb_bytes(2, b"flashsampler")
+    details = b""
+    for url, value in (("google.rpc.BadRequest", bad_request),
+                       ("google.rpc.ErrorInfo", info)):
+        details += _pb_bytes(3, _pb_bytes(
+            1, ("type.googleapis.com/" + url).encode()) + _pb_bytes(2, value))
+    return (_common._varint(1 << 3) + _common._varint(code)
+            + _pb_bytes(2, message.encode()) + details)
 
 
 class FakeSampler(sampler_pb2_grpc.SamplerServicer):
@@ -27,6 +50,7 @@ class FakeSampler(sampler_pb2_grpc.SamplerServicer):
         self.fail_first = 0
         self.fail_code = grpc.StatusCode.UNAVAILABLE
         self.fail_message = "scripted failure"
+        self.fail_details = b""  # grpc-status-details-bin of the failures
         self.delay = 0.0
         self.requests = []
         self.arrivals = []
@@ -38,6 +62,9 @@ class FakeSampler(sampler_pb2_grpc.SamplerServicer):
             self.arrivals.append(time.monotonic())
             call = len(self.requests)
         if call <= self.fail_first:
+            if self.fail_details:
+                context.set_trailing_metadata(
+                    (("grpc-status-details-bin", self.fail_details),))
             context.abort(self.fail_code, f"{self.fail_message} {call}")
         if self.delay:
             time.sleep(self.delay)
@@ -203,6 +230,31 @@ class ClientTest(FakeServerCase):
                       ctx.exception.message)
         self.assertIsInstance(ctx.exception, ValueError)
         self.assertEqual(len(self.fake.requests), 1)  # not retried
+
+    def test_invalid_argument_carries_field_violations(self):
+        self.fake.fail_first = 1
+        self.fake.fail_code = grpc.StatusCode.INVALID_ARGUMENT
+        self.fake.fail_message = "row_params[3].top_p: must be in (0, 1]"
+        self.fake.fail_details = status_details(
+            3, "row_params[3].top_p: must be in (0, 1]",
+            [("row_params[3].top_p", "must be in (0, 1]")],
+            "INVALID_SAMPLING_PARAMS")
+        with self.assertRaises(flashsampler_client.InvalidArgumentError) as ctx:
+            self.client.sample(np.ones((1, 4), np.float32))
+        self.assertEqual(ctx.exception.field_violations, [
+            flashsampler_client.FieldViolation("row_params[3].top_p",
+                                               "must be in (0, 1]")])
+        self.assertEqual(ctx.exception.field_violations[0].field,
+                         "row_params[3].top_p")
+        self.assertEqual(ctx.exception.reason, "INVALID_SAMPLING_PARAMS")
+
+    def test_errors_without_details_have_no_violations(self):
+        self.fake.fail_first = 1
+        self.fake.fail_code = grpc.StatusCode.INVALID_ARGUMENT
+        with self.assertRaises(flashsampler_client.InvalidArgumentError) as ctx:
+            self.client.sample(np.ones((1, 4), np.float32))
+        self.assertEqual(ctx.exception.field_violations, [])
+        self.assertEqual(ctx.exception.reason, "")
 
     def test_other_codes_map_to_their_exceptions(self):
         cases = [

@@ -145,13 +145,22 @@ class DaemonTest(unittest.TestCase):
             self.client.sample(np.ones((2, HIDDEN - 1), np.float32))
         self.assertIn("hidden", ctx.exception.message)
         self.assertIn(str(HIDDEN), ctx.exception.message)
+        self.assertTrue(ctx.exception.field_violations[0].field.startswith(
+            "hidden_states"), ctx.exception.field_violations)
+        self.assertEqual(ctx.exception.reason, "INVALID_HIDDEN_STATES")
         bad = self.cli("sample", "--hidden_file=" + self.save(
             "bad.npy", np.ones((2, HIDDEN + 1), np.float32)), check=False)
         self.assertEqual(bad.returncode, 1)
         self.assertIn("INVALID_ARGUMENT", bad.stderr)
-        with self.assertRaises(flashsampler_client.InvalidArgumentError):
+        with self.assertRaises(flashsampler_client.InvalidArgumentError) as ctx:
             self.client.sample(np.ones((1, HIDDEN), np.float32),
                                temperature=-1.0)
+        # The daemon sends google.rpc.BadRequest + ErrorInfo details.
+        self.assertEqual(len(ctx.exception.field_violations), 1)
+        self.assertEqual(ctx.exception.field_violations[0].field,
+                         "params.temperature")
+        self.assertIn("got -1", ctx.exception.field_violations[0].description)
+        self.assertEqual(ctx.exception.reason, "INVALID_SAMPLING_PARAMS")
         # The server still serves the next request.
         tokens, _ = self.client.sample(np.ones((1, HIDDEN), np.float32))
         self.assertEqual(tokens.shape, (1, 1))

@@ -152,6 +152,68 @@ TEST(DaemonTest, SigtermWhileLoadingKilledTheDaemon) {
   std::filesystem::remove_all(dir, ignored);
 }
 
+// Defect: the metrics endpoint opened only after the weights loaded, so a
+// minutes-long load looked like a dead target to Prometheus.
+TEST(DaemonTest, MetricsWereDownWhileLoading) {
+  const std::string dir = testing::MakeTempDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string log_path = dir + "/daemon.log";
+  const int metrics_port = testing::FreeTcpPort();
+  // 256000 x 1024 bf16 synthetic weights take seconds to generate.
+  const pid_t pid = testing::Spawn(
+      {FS_DAEMON_BIN, "--listen_address=127.0.0.1:0",
+       absl::StrCat("--metrics_port=", metrics_port),
+       "--metrics_address=127.0.0.1",
+       "--weights=synthetic:vocab=256000,hidden=1024,seed=1", "--backend=cpu",
+       "--cpu_threads=1", "--warmup_rows=1", "--drain_timeout=5s"},
+      log_path);
+  ASSERT_GT(pid, 0);
+  std::string during;
+  ASSERT_TRUE(testing::PollUntil(
+      [&] {
+        int code = 0;
+        during = testing::HttpGet(metrics_port, "/metrics", &code);
+        return code == 200;
+      },
+      absl::Seconds(30)))
+      << testing::ReadFileOrEmpty(log_path);
+  const std::string log_then = testing::ReadFileOrEmpty(log_path);
+  EXPECT_FALSE(absl::StrContains(log_then, "serving on port")) << log_then;
+  EXPECT_EQ(testing::MetricValue(
+                during, "flashsampler_serving_state{state=\"loading\"}"),
+            1.0)
+      << during;
+  EXPECT_EQ(testing::MetricValue(
+                during, "flashsampler_serving_state{state=\"serving\"}"),
+            0.0);
+  EXPECT_LT(testing::MetricValue(during, "flashsampler_load_progress_ratio"),
+            1.0);
+
+  const int port = WaitForServingPort(log_path);
+  ASSERT_GT(port, 0) << testing::ReadFileOrEmpty(log_path);
+  int code = 0;
+  const std::string after = testing::HttpGet(metrics_port, "/metrics", &code);
+  ASSERT_EQ(code, 200);
+  EXPECT_EQ(testing::MetricValue(
+                after, "flashsampler_serving_state{state=\"serving\"}"),
+            1.0)
+      << after;
+  EXPECT_EQ(testing::MetricValue(
+                after, "flashsampler_serving_state{state=\"loading\"}"),
+            0.0);
+  EXPECT_EQ(testing::MetricValue(after, "flashsampler_load_progress_ratio"),
+            1.0);
+  const std::string log = testing::ReadFileOrEmpty(log_path);
+  EXPECT_TRUE(absl::StrContains(log, "sha256 ")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "backend cpu")) << log;
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  const int exit_status = ExitStatus(pid, absl::Seconds(30));
+  EXPECT_TRUE(WIFEXITED(exit_status) && WEXITSTATUS(exit_status) == 0)
+      << exit_status;
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
 // Defect: with every descriptor in use once (nofile 128, 170 connections),
 // gRPC's listener closed for good and every later call failed after its
 // deadline while the daemon went on reporting SERVING. Now the daemon

@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "common/dtype_convert.h"
+#include "common/field_violation.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/service/serving/service_test_util.h"
@@ -150,6 +151,11 @@ TEST(RequestCodecTest, EveryMalformedInputNamesItsField) {
         DecodeSampleRequest(c.request, Config(), &decoded);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     EXPECT_THAT(std::string(status.message()), StartsWith(c.field + ": "));
+    // The field path travels beside the message, for google.rpc.BadRequest.
+    const std::optional<FieldViolation> violation = GetFieldViolation(status);
+    ASSERT_TRUE(violation.has_value()) << status;
+    EXPECT_EQ(violation->field, c.field);
+    EXPECT_EQ(c.field + ": " + violation->description, status.message());
     // ... and says what was expected.
     EXPECT_TRUE(absl::StrContains(status.message(), "must") ||
                 absl::StrContains(status.message(), "required"))

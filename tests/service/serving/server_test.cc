@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/service/serving/service_test_util.h"
@@ -107,6 +108,20 @@ TEST(ServerTest, MalformedInputsAreInvalidArgumentAndTheServerKeepsServing) {
     const grpc::Status status = Call(f, c.request, &response);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(status.error_message(), StartsWith(c.field + ": "));
+    // grpc-status-details-bin: google.rpc.BadRequest with the field path as
+    // the request spells it, and an ErrorInfo reason.
+    const std::vector<FieldViolation> violations = FieldViolations(status);
+    ASSERT_EQ(violations.size(), 1u) << status.error_message();
+    EXPECT_EQ(violations[0].field, c.field);
+    EXPECT_EQ(c.field + ": " + violations[0].description,
+              status.error_message());
+    EXPECT_EQ(ErrorReason(status),
+              absl::StartsWith(c.field, "hidden_states")
+                  ? "INVALID_HIDDEN_STATES"
+              : absl::StartsWith(c.field, "params") ||
+                      absl::StartsWith(c.field, "row_params")
+                  ? "INVALID_SAMPLING_PARAMS"
+                  : "INVALID_REQUEST");
     // The next well-formed request is served as usual.
     v1::SampleResponse ok;
     ASSERT_TRUE(Call(f, valid, &ok).ok());
@@ -439,7 +454,7 @@ TEST(ServerTest, MetricFamiliesAreExported) {
       MetricValue(later, "flashsampler_device_memory_bytes{device=\"3\"}"),
       1024.0);
   EXPECT_EQ(MetricValue(later,
-                        "flashsampler_exact_fallback_total{reason="
+                        "flashsampler_exact_fallback_rows_total{reason="
                         "\"top_p_nucleus_over_buffer\"}"),
             2.0);
   EXPECT_EQ(Metric(f, "flashsampler_rows_sampled_total"), 2.0);

@@ -39,8 +39,9 @@ class LogprobOptions(_message.Message):
     def __init__(self, sampled_logprob: bool = ..., row_logsumexp: bool = ..., top_logprobs: _Optional[int] = ..., space: _Optional[_Union[LogprobOptions.Space, str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ["backend", "hidden_size", "max_batch_rows", "shards", "supported_features", "tp_degree", "version", "vocab_size", "weight_dtype", "weights_source"]
+    __slots__ = ["backend", "git_revision", "hidden_size", "max_batch_rows", "shards", "supported_features", "tp_degree", "version", "vocab_size", "weight_dtype", "weights_sha256", "weights_source", "weights_tensor"]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GIT_REVISION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,9 +49,12 @@ class ModelInfo(_message.Message):
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_TENSOR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     backend: str
+    git_revision: str
     hidden_size: int
     max_batch_rows: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardRange]
@@ -59,8 +63,10 @@ class ModelInfo(_message.Message):
     version: str
     vocab_size: int
     weight_dtype: DType
+    weights_sha256: str
     weights_source: str
-    def __init__(self, vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., weight_dtype: _Optional[_Union[DType, str]] = ..., backend: _Optional[str] = ..., tp_degree: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., max_batch_rows: _Optional[int] = ..., version: _Optional[str] = ..., weights_source: _Optional[str] = ..., supported_features: _Optional[_Iterable[str]] = ...) -> None: ...
+    weights_tensor: str
+    def __init__(self, vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., weight_dtype: _Optional[_Union[DType, str]] = ..., backend: _Optional[str] = ..., tp_degree: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., max_batch_rows: _Optional[int] = ..., version: _Optional[str] = ..., weights_source: _Optional[str] = ..., supported_features: _Optional[_Iterable[str]] = ..., weights_tensor: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., git_revision: _Optional[str] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ["hidden_states", "params", "request_id", "row_params", "seeds", "steps"]
