@@ -106,6 +106,36 @@ FS_HOST_DEVICE bool Disallowed(const uint32_t* bitmask, int32_t id) {
          ((bitmask[static_cast<uint32_t>(id) >> 5] >> (id & 31)) & 1u) == 0;
 }
 
+// True when `id` has an entry among a row's merged entries [begin, end) of
+// `ids` (strictly ascending) and that entry bans it.
+FS_HOST_DEVICE bool SpecialBanned(const int32_t* ids, const uint8_t* flags,
+                                  int64_t begin, int64_t end, int32_t id) {
+  int64_t lo = begin;
+  int64_t hi = end;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (ids[mid] < id) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo < end && ids[lo] == id && (flags[lo] & kSpecialBanned) != 0;
+}
+
+// The value a raw logprob is taken over (vLLM's raw_logprobs): the raw logit
+// z after the masks alone, -inf for a bitmask-disallowed or banned token;
+// logit_bias (even -inf), penalties and temperature do not apply. `x` is the
+// token's processed logit: a banned token's is -inf, so only those search
+// the row's entries.
+FS_HOST_DEVICE float MaskedRawLogit(float z, float x, bool disallowed,
+                                    const int32_t* ids, const uint8_t* flags,
+                                    int64_t begin, int64_t end, int32_t id) {
+  if (disallowed) return kNegInf;
+  if (x == kNegInf && SpecialBanned(ids, flags, begin, end, id)) return kNegInf;
+  return z;
+}
+
 // exp(x - x_max) in [0, 1] as an integer multiple of 2^-62, as the CPU
 // computes it (exp in double, scaled by 2^62 exactly, truncated). The device
 // uses CUDA's double exp (within 1 ulp) where the CPU uses glibc's (within
@@ -227,7 +257,8 @@ FS_HOST_DEVICE uint64_t TiesNeeded(U128 target, U128 above, U128 unit,
 }
 
 // A cut of the sampling order: keep key > v, and of key == v the ids <=
-// max_id. Inactive cuts keep everything.
+// max_id (top_k keeps every tie: max_id = 2^31 - 1). Inactive cuts keep
+// everything.
 struct OrderCut {
   bool active;
   uint32_t key;

@@ -159,11 +159,31 @@ __device__ SelectOutcome RadixSelect(int32_t vocab, KeyOf key_of, float x_max,
   return out;
 }
 
-// The cut of the sampling order at which the count (top_k) or the mass
-// (top_p) of the tokens `member(i, x)` accepts first reaches `target`: keep
-// the tokens ranked above the cut value and, of those equal to it, the
-// lowest ids that the target still needs. Inactive when the members' weight
-// falls short (fewer than k survivors).
+// top_k: keep every token `member(i, x)` accepts whose x is >= the k-th
+// largest x among them, every tie at that value included (vLLM's
+// sort-and-threshold): the radix select's value alone. Inactive when fewer
+// than k tokens are members.
+template <typename Member>
+__device__ controls::OrderCut TopKCut(const float* x, int32_t vocab,
+                                      Member member, int32_t k,
+                                      SharedState& sh) {
+  const SelectOutcome kth = RadixSelect<false>(
+      vocab,
+      [&](int32_t i, uint32_t* key) {
+        const float xi = x[i];
+        if (!member(i, xi)) return false;
+        *key = controls::OrderKey(xi);
+        return true;
+      },
+      0.0f, static_cast<U128>(k), sh);
+  if (!kth.found) return controls::OrderCut{false, 0u, 0};
+  return controls::OrderCut{true, kth.key, kNoId};
+}
+
+// The cut of the sampling order at which the mass (top_p; or the count) of
+// the tokens `member(i, x)` accepts first reaches `target`: keep the tokens
+// ranked above the cut value and, of those equal to it, the lowest ids that
+// the target still needs. Inactive when the members' weight falls short.
 template <bool kByMass, typename Member>
 __device__ controls::OrderCut SelectCut(const float* x, int32_t vocab,
                                         Member member, float x_max, U128 target,
@@ -282,7 +302,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Filters (ignored by greedy rows). min_p survivors are a prefix of the
-  // order; top_k cuts among them, top_p among the top_k survivors.
+  // order; top_k keeps those >= their k-th largest x, top_p cuts among the
+  // top_k survivors.
   const bool use_min_p = !greedy && c.min_p > 0.0f;
   const bool use_top_k = !greedy && c.top_k > 0 && c.top_k < vocab;
   const bool use_top_p = !greedy && c.top_p < 1.0f;
@@ -292,10 +313,7 @@ __global__ void __launch_bounds__(kThreads)
     return xi != controls::kNegInf && xi >= floor;
   };
   controls::OrderCut cut_k{false, 0u, 0};
-  if (use_top_k) {
-    cut_k =
-        SelectCut<false>(x, vocab, base, x_max, static_cast<U128>(c.top_k), sh);
-  }
+  if (use_top_k) cut_k = TopKCut(x, vocab, base, c.top_k, sh);
   auto within_k = [floor, cut_k](int32_t i, float xi) {
     return xi != controls::kNegInf && xi >= floor &&
            controls::CutKeeps(cut_k, controls::OrderKey(xi), i);
@@ -398,15 +416,22 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // Logprobs: log-softmax of x over the survivors, or of the raw logits over
-  // the whole vocabulary; lse = max + log(sum exp(v - max)) in double.
+  // Logprobs: log-softmax of x over the survivors, or of the raw logits
+  // after the masks alone (controls::MaskedRawLogit); lse = max + log(sum
+  // exp(v - max)) in double. A masked raw value is -inf: out of the sum and
+  // never listed.
+  auto raw_logit = [&](int32_t i) {
+    return controls::MaskedRawLogit(
+        z[i], x[i], controls::Disallowed(bitmask, i), p.special_ids,
+        p.special_flags, c.special_begin, c.special_end, i);
+  };
   if (want_sampled || want_lse || top_n > 0) {
     float v_max = x_max;  // the survivors' max is the row's first token
     if (raw) {
       float m = controls::kNegInf;
       for (int32_t i = tid; i < vocab; i += kThreads) {
-        const float zi = z[i];
-        m = zi > m ? zi : m;
+        const float ri = raw_logit(i);
+        m = ri > m ? ri : m;
       }
       v_max = BlockReduce(m, MaxFloat{}, sh);
     }
@@ -414,7 +439,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int32_t i = tid; i < vocab; i += kThreads) {
       float v;
       if (raw) {
-        v = z[i];
+        v = raw_logit(i);
+        if (v == controls::kNegInf) continue;
       } else {
         v = x[i];
         if (!survives(i, v)) continue;
@@ -446,7 +472,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int32_t i = tid; i < vocab; i += kThreads) {
           float v;
           if (raw) {
-            v = z[i];
+            v = raw_logit(i);
+            if (v == controls::kNegInf) continue;
           } else {
             v = x[i];
             if (!survives(i, v)) continue;

@@ -2,7 +2,9 @@
 // control (bias, bans, bitmask, penalties, min_p, top_k, top_p, n, logprobs)
 // over MATERIALIZED fp32 logits [rows, V]. It returns what the CPU reference
 // sampler (service/backends/cpu/cpu_sampler.h, "Sampling semantics") returns
-// for the same logits, token for token. No allocation happens in a launcher.
+// for the same logits, token for token: top_k as a value threshold (ties at
+// the k-th value kept), raw logprobs over the masked raw logits, greedy at
+// temperature 0 (controlled_types.h). No allocation happens in a launcher.
 #ifndef FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_SAMPLER_H_
 #define FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_SAMPLER_H_
 

@@ -12,16 +12,23 @@ namespace flashsampler {
 // ControlledRow::logprob_flags bits.
 constexpr uint32_t kLogprobSampled = 1u;    // logprob of each sampled token
 constexpr uint32_t kLogprobLogsumexp = 2u;  // the row's logsumexp
-constexpr uint32_t kLogprobRaw = 4u;  // raw logits instead of processed ones
+// Raw logits after the masks alone (bitmask, banned ids; vLLM's
+// raw_logprobs) instead of the processed distribution.
+constexpr uint32_t kLogprobRaw = 4u;
 
 // The controls of one row (an array of these lives on the device). Values
 // are assumed range-checked as the CPU's ValidateRow does (temperature >= 0,
 // top_p in (0, 1], min_p in [0, 1], penalties finite, ids < V).
 struct ControlledRow {
-  float temperature = 1.0f;  // 0 = greedy (argmax of l; filters ignored)
-  int32_t top_k = 0;         // 0 or >= V = off
-  float top_p = 1.0f;        // 1 = off
-  float min_p = 0.0f;        // 0 = off
+  // 0 = greedy (argmax of l; filters ignored; logprobs at T = 1). Callers
+  // pass 0 for every row SamplingParams::greedy() calls greedy (T < 1e-5):
+  // that is the one definition of the rule.
+  float temperature = 1.0f;
+  // <= 0 or >= V = off; else keeps every min_p survivor whose x is >= the
+  // k-th largest x among them (ties at that value all stay).
+  int32_t top_k = 0;
+  float top_p = 1.0f;  // 1 = off
+  float min_p = 0.0f;  // 0 = off
   // std::log((double)min_p) computed on the host (read only when min_p > 0):
   // CUDA's double log is within 1 ulp, glibc's is what the CPU floor uses.
   double log_min_p = 0.0;

@@ -33,10 +33,14 @@ struct LogprobRequest {
   bool any() const { return sampled || logsumexp || top_n > 0; }
 };
 
+// Temperatures below this sample greedily (vLLM's rule): 1 / T would
+// overflow fp32 or scale logits to +-inf, e.g. T = 1e-38.
+inline constexpr float kMinSamplingTemperature = 1e-5f;
+
 // Controls of one row; ValidateSamplingParams states their ranges. Defaults
 // are "off".
 struct SamplingParams {
-  float temperature = 1.0f;  // 0 = greedy
+  float temperature = 1.0f;  // < kMinSamplingTemperature (e.g. 0) = greedy
   int32_t top_k = 0;         // 0 or -1 = off; >= V keeps every token
   float top_p = 1.0f;        // 1 = off
   float min_p = 0.0f;        // 0 = off
@@ -51,7 +55,7 @@ struct SamplingParams {
   int32_t n = 1;
   LogprobRequest logprobs;
 
-  bool greedy() const { return temperature == 0.0f; }
+  bool greedy() const { return temperature < kMinSamplingTemperature; }
   // True when any per-token transform (bias, masks, penalties) is present.
   bool has_token_transforms() const;
 };

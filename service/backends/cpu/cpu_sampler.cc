@@ -36,7 +36,7 @@ namespace {
 // so that OpenBLAS takes the same kernel and K blocking for every call: a
 // logit's rounding then depends only on (h, W row), never on batch size,
 // position, chunking or threads (docs/design.md#invariance).
-constexpr int64_t kTile = 256;
+constexpr int64_t kTile = cpu::kTileTokens;
 
 }  // namespace
 

@@ -26,33 +26,41 @@ struct CpuSamplerOptions {
   // row at most one chunk of logits is held (in fact one tile at a time).
   int64_t chunk_rows = 4096;
   // Size of the per-row buffer of the best tokens kept by the first pass of a
-  // row that uses top_k or top_p: top_k <= this and most top_p nuclei resolve
-  // from it without further passes. Anything it cannot certify falls back to
-  // an exact radix select over extra passes (same result, more time).
+  // row that uses top_k or top_p: top_k < this (unless ties at the k-th value
+  // run past the buffer) and most top_p nuclei resolve from it without
+  // further passes. Anything it cannot certify falls back to an exact radix
+  // select over extra passes (same result, more time).
   int64_t candidate_buffer = 4096;
 };
 
 // Sampling semantics, beyond sampling_params.h (these are the definitions the
-// CUDA backend is compared against):
+// CUDA backend is compared against; vLLM v1's):
 // - l = raw logit + sum of its logit_bias entries (summed in list order);
 //   banned or bitmask-disallowed -> -inf; then, in fp32, repetition penalty r
 //   on prompt ids U output ids (l > 0 ? l / r : l * r), l -= f * count,
 //   l -= presence (count > 0); x = l * (1 / T) with 1 / T rounded to fp32.
-// - Greedy (T = 0): argmax of l, lowest id on ties, no noise; top_k, top_p and
-//   min_p are ignored (as vLLM does) and logprobs use T = 1.
+// - Greedy (SamplingParams::greedy(): T < kMinSamplingTemperature = 1e-5,
+//   T = 0 included): argmax of l, lowest id on ties, no noise; top_k, top_p
+//   and min_p are ignored (as vLLM does) and logprobs use T = 1.
 // - Tokens are ordered by (x descending, id ascending). min_p keeps
-//   x - x_max >= ln(min_p) (evaluated in double); top_k keeps the first k of
-//   the order among the min_p survivors (strictly k: ties at the boundary go
-//   to the lowest ids); top_p keeps the shortest prefix of the survivors whose
-//   mass reaches p (masses exp(x - x_max) in 2^-62 fixed point, summed
-//   exactly, so the cut does not depend on chunking or threads).
+//   x - x_max >= ln(min_p) (evaluated in double); top_k (0, -1 or >= V =
+//   off) keeps every min_p survivor with x >= the k-th largest x among them
+//   (ties at the k-th value all stay, as vLLM's sort-and-threshold keeps
+//   them, so more than k tokens may remain); top_p then keeps, of the top_k
+//   survivors in the order, each token whose mass ranked strictly above it
+//   is < p of their total (the top token always stays; masses exp(x - x_max)
+//   in 2^-62 fixed point, summed exactly, so the cut does not depend on
+//   chunking or threads).
 // - Sample j of a row is argmax over the survivors of
 //   GumbelScore(l, 1 / T, GumbelNoise(seed, step, j, id)), ties to the
 //   lowest id.
 // - Processed logprobs are log-softmax of x over the survivors (the
-//   distribution actually sampled); raw logprobs are log-softmax of the raw
-//   logits over the whole vocabulary. top-N lists only tokens of non-zero
-//   probability (at most N), most likely first, ties to the lowest id.
+//   distribution actually sampled). Raw logprobs (vLLM's raw_logprobs) are
+//   log-softmax of the raw logits after the masks alone: banned and
+//   bitmask-disallowed tokens are -inf (out of the log-sum-exp, never
+//   listed), logit_bias (even -inf), penalties, temperature and filters do
+//   not apply. top-N lists only tokens of non-zero probability (at most N),
+//   most likely first, ties to the lowest id.
 class CpuSampler {
  public:
   // `weights_fp32` is row-major [vocab, hidden] and is shared, not copied

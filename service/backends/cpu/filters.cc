@@ -46,6 +46,14 @@ Cutoff Cutoff::UpTo(const Entry& last) {
   return c;
 }
 
+Cutoff Cutoff::AtLeast(float v) {
+  Cutoff c;
+  c.active = true;
+  c.v = v;
+  c.ties = Ties::kAll;
+  return c;
+}
+
 bool TopPCutOfList(const std::vector<Entry>& sorted, float top_p, float x_max,
                    Cutoff* cut) {
   uint128 total = 0;

@@ -1,9 +1,11 @@
 // Step 5 of the vLLM order: the min_p, top_k and top_p filters, exactly.
-// min_p becomes one float floor per row; top_k and top_p become Cutoffs of
-// the sampling order (sampling_order.h), found from the candidate buffer
-// when it certifies them, else by an exact radix select over the order key
-// whose sums of masses are integers, so the cut does not depend on chunking
-// or threads (docs/design.md#ties-and-reduction-order).
+// min_p becomes one float floor per row; top_k becomes a value floor (every
+// token tied with the k-th largest x stays, as vLLM's sort-and-threshold
+// keeps it) and top_p a Cutoff of the sampling order (sampling_order.h),
+// found from the candidate buffer when it certifies them, else by an exact
+// radix select over the order key whose sums of masses are integers, so the
+// cut does not depend on chunking or threads
+// (docs/design.md#ties-and-reduction-order).
 #ifndef FLASHSAMPLER_SERVICE_BACKENDS_CPU_FILTERS_H_
 #define FLASHSAMPLER_SERVICE_BACKENDS_CPU_FILTERS_H_
 
@@ -52,8 +54,10 @@ struct Cutoff {
   // kFirstRanks: number of tokens with x == v in the chunks before chunk c.
   std::vector<int64_t> tie_prefix;
 
-  // Keeps every entry up to and including `last` in the order.
+  // Keeps every entry up to and including `last` in the order (top_p).
   static Cutoff UpTo(const Entry& last);
+  // Keeps every x >= v, all ties at v included (top_k).
+  static Cutoff AtLeast(float v);
 };
 
 // Walks one chunk (or the sorted buffer, chunk -1) in id order and applies a
@@ -97,8 +101,9 @@ bool TopPCutOfList(const std::vector<Entry>& sorted, float top_p, float x_max,
 bool TopPCutOfPrefix(const std::vector<Entry>& sorted, const Cutoff& cut_k,
                      uint128 target, float x_max, Cutoff* cut);
 
-// Radix select of the position where a count (top_k) or a mass (top_p)
-// summed along the sampling order first reaches `target`.
+// Radix select of the position where a count (top_k: its value is the
+// k-th largest x) or a mass (top_p) summed along the sampling order first
+// reaches `target`.
 struct RadixSelect {
   bool by_mass = false;
   uint128 target = 0;

@@ -1,7 +1,8 @@
 // Logprobs: processed ones are the log-softmax of x over the survivors (the
 // distribution actually sampled), raw ones the log-softmax of the raw logits
-// over the whole vocabulary; both from a log-sum-exp kept in double and
-// merged across chunks, each logprob rounded once to fp32.
+// over the tokens the masks allow (tile_sweep.h MaskedRaw); both from a
+// log-sum-exp kept in double and merged across chunks, each logprob rounded
+// once to fp32.
 #ifndef FLASHSAMPLER_SERVICE_BACKENDS_CPU_LOGPROBS_H_
 #define FLASHSAMPLER_SERVICE_BACKENDS_CPU_LOGPROBS_H_
 

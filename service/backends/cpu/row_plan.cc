@@ -85,12 +85,14 @@ void PlanRow(const RowSpec& spec, int64_t vocab, int64_t candidate_buffer,
   row.top_n_processed = p.logprobs.raw ? 0 : top_n;
   row.top_n_raw = p.logprobs.raw ? top_n : 0;
   const bool filtered = row.use_min_p || row.use_top_k || row.use_top_p;
-  // top_k alone needs only k buffered tokens; top_p uses the whole buffer.
+  // top_k alone needs k buffered tokens and one more: an entry strictly
+  // below the k-th value shows that every tie of that value is buffered.
+  // top_p uses the whole buffer.
   int64_t buffer = 0;
   if (row.use_top_p) {
     buffer = candidate_buffer;
   } else if (row.use_top_k) {
-    buffer = p.top_k <= candidate_buffer ? p.top_k : candidate_buffer;
+    buffer = std::min<int64_t>(int64_t{p.top_k} + 1, candidate_buffer);
   }
   row.buffer.Reset(static_cast<size_t>(std::max<int64_t>(0, buffer)));
   if (filtered) {
@@ -121,9 +123,18 @@ void AfterStats(Row& row, int64_t num_chunks) {
   if (row.use_top_k) {
     const size_t k = static_cast<size_t>(row.params->top_k);
     if (k <= row.sorted.size()) {
-      row.cut_k = Cutoff::UpTo(row.sorted[k - 1]);
-      row.sorted.resize(k);
-      survivors_known = true;
+      // The buffer is a prefix of the order, so its k-th entry holds the
+      // k-th largest x: top_k keeps every x >= v. Its survivors are all
+      // buffered only when no tie of v can lie beyond the buffer: the buffer
+      // holds every min_p survivor, or an entry strictly below v.
+      const float v = row.sorted[k - 1].x;
+      row.cut_k = Cutoff::AtLeast(v);
+      if (min_p_complete || row.sorted.back().x < v) {
+        size_t keep = k;
+        while (keep < row.sorted.size() && row.sorted[keep].x >= v) ++keep;
+        row.sorted.resize(keep);
+        survivors_known = true;
+      }
     } else if (!min_p_complete) {
       StartSelect(row, Selecting::kTopK);
       return;
@@ -160,7 +171,13 @@ void AfterHist(Row& row, int64_t num_chunks) {
     sel.StartLevel(sel.level + 1);
     return;
   }
-  // The cut value is known exactly; decide how many of its ties to keep.
+  // The cut value is known exactly. top_k keeps every tie of it (the k-th
+  // largest x is a value threshold); top_p decides how many ties to keep.
+  if (row.selecting == Selecting::kTopK) {
+    cut = Cutoff::AtLeast(KeyValue(sel.prefix));
+    AfterCut(row, num_chunks);
+    return;
+  }
   const uint64_t ties = sel.count[found];
   const uint128 unit = sel.by_mass ? sel.mass[found] / ties : 1;
   const uint128 needed = (sel.target - sel.above + unit - 1) / unit;

@@ -1,6 +1,7 @@
 // Step 4 of the vLLM order: x = l * (1 / T), with 1 / T rounded to fp32 once
 // per row, as every backend does (docs/design.md#invariance). Greedy rows
-// (T = 0) use 1 / T = 1: their logprobs are those of T = 1.
+// (SamplingParams::greedy(): T < 1e-5, T = 0 included) use 1 / T = 1: their
+// logprobs are those of T = 1, and a tiny T never scales logits to inf.
 #ifndef FLASHSAMPLER_SERVICE_BACKENDS_CPU_TEMPERATURE_H_
 #define FLASHSAMPLER_SERVICE_BACKENDS_CPU_TEMPERATURE_H_
 

@@ -30,6 +30,18 @@ void Transform(const Row& row, int64_t begin, int count, const float* z,
   }
 }
 
+void MaskedRaw(const Row& row, int64_t begin, int count, const float* z,
+               float* raw) {
+  for (int c = 0; c < count; ++c) raw[c] = z[c];
+  ApplyAllowedBitmask(row.bitmask, begin, count, raw);
+  auto it = std::lower_bound(
+      row.edits.begin(), row.edits.end(), begin,
+      [](const TokenEdit& e, int64_t id) { return e.id < id; });
+  for (; it != row.edits.end() && it->id < begin + count; ++it) {
+    if (it->banned) raw[it->id - begin] = kNegInf;
+  }
+}
+
 void VisitStats(const float* x, int64_t begin, int count, TaskRow& tr) {
   for (int c = 0; c < count; ++c) {
     if (x[c] == kNegInf) continue;
@@ -64,10 +76,18 @@ void VisitTies(const Row& row, const float* x, int count, TaskRow& tr) {
 void VisitFinal(const Row& row, const float* z, const float* l, const float* x,
                 int64_t begin, int count, float max_gumbel, TaskRow& tr) {
   const bool filtered = row.use_min_p || row.use_top_k || row.use_top_p;
+  if (row.want_raw_lse || row.top_n_raw > 0) {
+    float raw[kTileTokens];
+    MaskedRaw(row, begin, count, z, raw);
+    for (int c = 0; c < count; ++c) {
+      if (raw[c] == kNegInf) continue;  // masked: not in the raw softmax
+      if (row.want_raw_lse) tr.fin.raw.Add(raw[c]);
+      if (row.top_n_raw > 0)
+        tr.top_raw.Offer(raw[c], static_cast<int32_t>(begin + c));
+    }
+  }
   for (int c = 0; c < count; ++c) {
     const int32_t id = static_cast<int32_t>(begin + c);
-    if (row.want_raw_lse) tr.fin.raw.Add(z[c]);
-    if (row.top_n_raw > 0) tr.top_raw.Offer(z[c], id);
     const float xc = x[c];
     if (xc == kNegInf) continue;
     if (filtered) {

@@ -11,6 +11,9 @@
 namespace flashsampler {
 namespace cpu {
 
+// Tokens per tile: a sweep visits at most this many tokens at a time.
+constexpr int kTileTokens = 256;
+
 // Raw logits z -> processed l (bias, masks, penalties) -> x = l / T. A
 // non-finite raw logit, or a NaN or +inf x, fails the task row.
 void Transform(const Row& row, int64_t begin, int count, const float* z,
@@ -23,6 +26,12 @@ void VisitHist(const Row& row, const float* x, int64_t begin, int count,
                TaskRow& tr);
 // kTies: how many tokens of this tile hold the cut value.
 void VisitTies(const Row& row, const float* x, int count, TaskRow& tr);
+// Raw logits after the masks alone (allowed bitmask, banned ids -> -inf),
+// before logit_bias, penalties and temperature: what raw logprobs are taken
+// over (vLLM's raw_logprobs). count <= kTileTokens.
+void MaskedRaw(const Row& row, int64_t begin, int count, const float* z,
+               float* raw);
+
 // kFinal: samples, log-sum-exps and top-N over the survivors.
 void VisitFinal(const Row& row, const float* z, const float* l, const float* x,
                 int64_t begin, int count, float max_gumbel, TaskRow& tr);

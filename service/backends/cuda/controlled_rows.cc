@@ -33,85 +33,20 @@ bool NeedsControlledSampler(const SamplingParams& p) {
 }
 
 absl::Status ValidateCudaRow(const SamplingParams& p, int64_t vocab) {
-  auto check_id = [&](int64_t id, const char* field) -> absl::Status {
-    if (id < 0 || id >= vocab) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: token id %d out of range [0, %d)", field, id, vocab));
-    }
-    return absl::OkStatus();
-  };
-  if (!(std::isfinite(p.temperature) && p.temperature >= 0.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "temperature must be finite and >= 0, got ", p.temperature));
-  }
-  if (p.top_k < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k must be >= 0, got ", p.top_k));
-  }
-  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_p must be in (0, 1], got ", p.top_p));
-  }
-  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("min_p must be in [0, 1], got ", p.min_p));
-  }
-  if (!(std::isfinite(p.repetition_penalty) && p.repetition_penalty > 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("repetition_penalty must be finite and > 0, got ",
-                     p.repetition_penalty));
-  }
-  if (!std::isfinite(p.presence_penalty) ||
-      !std::isfinite(p.frequency_penalty)) {
-    return absl::InvalidArgumentError(
-        "presence_penalty and frequency_penalty must be finite");
-  }
-  if (p.n < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("n must be >= 1, got ", p.n));
+  // The ranges (and messages) every engine shares, top_k = -1 included.
+  if (absl::Status s =
+          ValidateSamplingParams(p, vocab, "", SamplingRules::Engine());
+      !s.ok()) {
+    return s;
   }
   if (p.n > kCudaMaxSamples) {
     return absl::InvalidArgumentError(absl::StrCat(
         "n must be <= ", kCudaMaxSamples, " on the CUDA backend, got ", p.n));
   }
-  if (p.logprobs.top_n < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "logprobs.top_logprobs must be >= 0, got ", p.logprobs.top_n));
-  }
   if (p.logprobs.top_n > kCudaMaxTopLogprobs) {
     return absl::InvalidArgumentError(
         absl::StrCat("logprobs.top_logprobs must be <= ", kCudaMaxTopLogprobs,
                      " on the CUDA backend, got ", p.logprobs.top_n));
-  }
-  for (const TokenBias& b : p.logit_bias) {
-    if (auto s = check_id(b.token_id, "logit_bias"); !s.ok()) return s;
-    if (std::isnan(b.bias) ||
-        b.bias == std::numeric_limits<float>::infinity()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("logit_bias of token ", b.token_id,
-                       " must be finite or -inf, got ", b.bias));
-    }
-  }
-  for (int32_t id : p.banned_token_ids) {
-    if (auto s = check_id(id, "banned_token_ids"); !s.ok()) return s;
-  }
-  for (int32_t id : p.prompt_token_ids) {
-    if (auto s = check_id(id, "prompt_token_ids"); !s.ok()) return s;
-  }
-  for (const TokenCount& tc : p.output_token_counts) {
-    if (auto s = check_id(tc.token_id, "output_token_counts"); !s.ok())
-      return s;
-    if (tc.count < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("output_token_counts: count of token ", tc.token_id,
-                       " must be >= 0"));
-    }
-  }
-  const size_t words = static_cast<size_t>((vocab + 31) / 32);
-  if (!p.allowed_bitmask.empty() && p.allowed_bitmask.size() != words) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "allowed_token_bitmask has %d words, expected ceil(V / 32) = %d",
-        p.allowed_bitmask.size(), words));
   }
   const size_t limit = kControlledPlanBudgetBytes - kControlledPlanLayoutSlack;
   const size_t bound = ControlledRowBytesBound(p);
@@ -135,7 +70,9 @@ ControlledRowInput ControlledInputFrom(const RowSpec& spec,
   lists->output_ids.clear();
   lists->output_counts.clear();
   ControlledRowInput in;
-  in.temperature = p.temperature;
+  // The kernel's greedy rule is temperature 0; SamplingParams::greedy() is
+  // the one definition (it also covers temperatures below 1e-5).
+  in.temperature = p.greedy() ? 0.0f : p.temperature;
   in.top_k = p.top_k;
   in.top_p = p.top_p;
   in.min_p = p.min_p;

@@ -51,11 +51,11 @@ inline constexpr char kMaterializedLogitsFallback[] = "materialized_logits";
 // logits can (docs/design.md#exactness-and-refusals).
 bool NeedsControlledSampler(const SamplingParams& p);
 
-// The CPU sampler's row checks (ValidateRow in cpu_sampler.cc), with the
-// same messages, plus the engine's own limits (n <= kCudaMaxSamples, top
-// logprobs <= kCudaMaxTopLogprobs, packed lists within
-// kControlledPlanBudgetBytes). The controlled kernel assumes ids < V, so
-// every row passes here before it is packed.
+// The CPU sampler's row checks (ValidateSamplingParams with
+// SamplingRules::Engine(), the same messages), plus the engine's own limits
+// (n <= kCudaMaxSamples, top logprobs <= kCudaMaxTopLogprobs, packed lists
+// within kControlledPlanBudgetBytes). The controlled kernel assumes ids < V,
+// so every row passes here before it is packed.
 absl::Status ValidateCudaRow(const SamplingParams& p, int64_t vocab);
 
 // Owns the flattened lists a ControlledRowInput points into; reused row

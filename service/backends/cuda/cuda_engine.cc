@@ -889,9 +889,9 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
     }
     ++valid_rows;
     controlled = controlled || NeedsControlledSampler(params);
-    // 1 / T rounded to fp32 once, as every backend does; 0 = greedy.
-    inv_temperature[i] =
-        params.temperature == 0.0f ? 0.0f : 1.0f / params.temperature;
+    // 1 / T rounded to fp32 once, as every backend does; 0 = greedy
+    // (SamplingParams::greedy(), which also covers tiny temperatures).
+    inv_temperature[i] = params.greedy() ? 0.0f : 1.0f / params.temperature;
     seeds[i] = spec.seed;
     steps[i] = spec.step;
     num_samples = std::max(num_samples, static_cast<int>(params.n));

@@ -104,6 +104,23 @@ controls::OrderCut EmulateSelectCut(bool by_mass, const std::vector<float>& x,
   return controls::OrderCut{true, v, static_cast<int32_t>(~id.key)};
 }
 
+// The kernel's TopKCut: the k-th largest x among the members, every tie of
+// it kept; inactive when fewer than k tokens are members.
+template <typename Member>
+controls::OrderCut EmulateTopKCut(const std::vector<float>& x, Member member,
+                                  int64_t k) {
+  const EmulatedSelect kth = EmulateRadixSelect(
+      false, static_cast<int32_t>(x.size()),
+      [&](int32_t i, uint32_t* key) {
+        if (!member(i, x[i])) return false;
+        *key = controls::OrderKey(x[i]);
+        return true;
+      },
+      0.0f, static_cast<controls::U128>(k));
+  if (!kth.found) return controls::OrderCut{false, 0u, 0};
+  return controls::OrderCut{true, kth.key, 0x7fffffff};
+}
+
 // One row, as the kernel computes it; `z` is the row's raw logits.
 inline EmulatedRow EmulateRow(const ControlledPlan& plan, int r, const float* z,
                               int32_t vocab) {
@@ -162,10 +179,7 @@ inline EmulatedRow EmulateRow(const ControlledPlan& plan, int r, const float* z,
     return xi != controls::kNegInf && xi >= floor;
   };
   controls::OrderCut cut_k{false, 0u, 0};
-  if (use_top_k) {
-    cut_k = EmulateSelectCut(false, x, base, x_max,
-                             static_cast<controls::U128>(c.top_k));
-  }
+  if (use_top_k) cut_k = EmulateTopKCut(x, base, c.top_k);
   auto within_k = [floor, cut_k](int32_t i, float xi) {
     return xi != controls::kNegInf && xi >= floor &&
            controls::CutKeeps(cut_k, controls::OrderKey(xi), i);
@@ -204,16 +218,27 @@ inline EmulatedRow EmulateRow(const ControlledPlan& plan, int r, const float* z,
       out.token_ids[j] = id;
     }
   }
+  // The kernel's raw values: the raw logits after the masks alone.
+  std::vector<float> masked_raw(vocab);
+  for (int32_t i = 0; i < vocab; ++i) {
+    masked_raw[i] = controls::MaskedRawLogit(
+        z[i], x[i], controls::Disallowed(bitmask, i), plan.special_ids().data(),
+        plan.special_flags().data(), c.special_begin, c.special_end, i);
+  }
+  auto listed = [&](int32_t i) {
+    return raw ? masked_raw[i] != controls::kNegInf : survives(i, x[i]);
+  };
   if (want_sampled || want_lse || top_n > 0) {
     float v_max = x_max;
     if (raw) {
       v_max = controls::kNegInf;
-      for (int32_t i = 0; i < vocab; ++i) v_max = std::max(v_max, z[i]);
+      for (int32_t i = 0; i < vocab; ++i)
+        v_max = std::max(v_max, masked_raw[i]);
     }
     double sum = 0.0;
     for (int32_t i = 0; i < vocab; ++i) {
-      if (!raw && !survives(i, x[i])) continue;
-      const float v = raw ? z[i] : x[i];
+      if (!listed(i)) continue;
+      const float v = raw ? masked_raw[i] : x[i];
       sum += std::exp(static_cast<double>(v) - static_cast<double>(v_max));
     }
     const double lse = static_cast<double>(v_max) + std::log(sum);
@@ -229,8 +254,8 @@ inline EmulatedRow EmulateRow(const ControlledPlan& plan, int r, const float* z,
     for (int32_t t = 0; t < top_n; ++t) {
       uint64_t best = 0;
       for (int32_t i = 0; i < vocab; ++i) {
-        if (!raw && !survives(i, x[i])) continue;
-        const uint64_t key = controls::PackedKey(raw ? z[i] : x[i], i);
+        if (!listed(i)) continue;
+        const uint64_t key = controls::PackedKey(raw ? masked_raw[i] : x[i], i);
         if (key < previous && key > best) best = key;
       }
       if (best == 0) break;

@@ -185,9 +185,9 @@ TEST(ControlledMathTest, SpecialLogitFollowsTheCpuOrder) {
             controls::kNegInf);
 }
 
-// The radix cut against sorting: the k-th token of the order (top_k) and the
-// first token whose cumulative mass reaches ceil(p * total) (top_p), on
-// values with many ties.
+// The radix cuts against sorting: every token >= the k-th value of the order
+// (top_k, ties at it kept) and the first token whose cumulative mass reaches
+// ceil(p * total) (top_p), on values with many ties.
 TEST(ControlledMathTest, RadixCutsEqualSortedCuts) {
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 300; ++trial) {
@@ -216,10 +216,13 @@ TEST(ControlledMathTest, RadixCutsEqualSortedCuts) {
     };
     // top_k
     const int64_t k = 1 + static_cast<int64_t>(rng() % (order.size() + 3));
-    const controls::OrderCut cut_k = testing_controls::EmulateSelectCut(
-        false, x, member, x_max, static_cast<U128>(k));
+    const controls::OrderCut cut_k =
+        testing_controls::EmulateTopKCut(x, member, k);
+    const bool cut = k <= static_cast<int64_t>(order.size());
+    EXPECT_EQ(cut_k.active, cut);
     for (size_t pos = 0; pos < order.size(); ++pos) {
-      EXPECT_EQ(keeps(cut_k, order[pos]), static_cast<int64_t>(pos) < k)
+      const bool want = !cut || x[order[pos]] >= x[order[k - 1]];
+      EXPECT_EQ(keeps(cut_k, order[pos]), want)
           << "trial " << trial << " k " << k << " pos " << pos;
     }
     // top_p

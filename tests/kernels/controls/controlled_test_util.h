@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -28,11 +29,13 @@ struct RowLists {
   std::vector<int32_t> output_counts;
 };
 
-// What the CUDA engine does per row: SamplingParams + RowSpec -> plain input.
+// What the CUDA engine does per row (controlled_rows.cc
+// ControlledInputFrom): SamplingParams + RowSpec -> plain input; greedy rows
+// (SamplingParams::greedy(), tiny temperatures included) get temperature 0.
 inline ControlledRowInput InputFrom(const RowSpec& spec, RowLists* lists) {
   const SamplingParams& p = *spec.params;
   ControlledRowInput in;
-  in.temperature = p.temperature;
+  in.temperature = p.greedy() ? 0.0f : p.temperature;
   in.top_k = p.top_k;
   in.top_p = p.top_p;
   in.min_p = p.min_p;
@@ -254,6 +257,71 @@ inline std::vector<Case> Cases(int64_t vocab) {
                       p.top_p = 0.85f;
                       p.min_p = 0.01f;
                       p.logprobs = AllLogprobs(20, true);
+                    })},
+                   {}});
+  {
+    // Raw logprobs after the masks: banned and bitmask-disallowed tokens
+    // leave the raw distribution; a -inf bias, other biases and penalties do
+    // not touch it. top_k = 2 over small-integer logits cuts inside ties.
+    SamplingParams p;
+    p.temperature = 0.7f;
+    p.top_k = 2;
+    p.top_p = 0.95f;
+    for (int i = 0; i < 25; ++i) p.banned_token_ids.push_back(id());
+    p.logit_bias = {{id(), -std::numeric_limits<float>::infinity()},
+                    {id(), 1.5f}};
+    p.repetition_penalty = 1.5f;
+    for (int i = 0; i < 10; ++i) p.prompt_token_ids.push_back(id());
+    p.allowed_bitmask = Bitmask(vocab, vocab + 2, 0.5);
+    p.logprobs = AllLogprobs(8, true);
+    p.n = 3;
+    SamplingParams greedy = p;
+    greedy.temperature = 0.0f;
+    SamplingParams processed = p;
+    processed.logprobs = AllLogprobs(8, false);
+    cases.push_back({"raw_logprobs_masked", {p, greedy, processed}, {}});
+  }
+  // top_k keeps every tie of the k-th value: small-integer logits tie often.
+  cases.push_back({"top_k_ties",
+                   {with([](SamplingParams& p) {
+                      p.top_k = 1;
+                      p.n = 3;
+                      p.logprobs = AllLogprobs(6, false);
+                    }),
+                    with([](SamplingParams& p) {
+                      p.top_k = 3;
+                      p.n = 2;
+                      p.logprobs = AllLogprobs(12, false);
+                    }),
+                    with([](SamplingParams& p) {
+                      p.top_k = 3;
+                      p.top_p = 0.6f;
+                      p.n = 2;
+                    }),
+                    with([](SamplingParams& p) {
+                      p.top_k = 12;
+                      p.min_p = 0.1f;
+                      p.logprobs = AllLogprobs(3, true);
+                    })},
+                   {2}});
+  // Below 1e-5 a row is greedy (filters ignored, logprobs at T = 1); 1e-5
+  // samples.
+  cases.push_back({"tiny_temperature",
+                   {with([](SamplingParams& p) {
+                      p.temperature = 1e-38f;
+                      p.top_k = 3;
+                      p.n = 2;
+                      p.logprobs = AllLogprobs(4, false);
+                    }),
+                    with([](SamplingParams& p) {
+                      p.temperature = 9.9e-6f;
+                      p.top_p = 0.5f;
+                      p.logprobs = AllLogprobs(4, true);
+                    }),
+                    with([](SamplingParams& p) {
+                      p.temperature = 1e-5f;
+                      p.n = 3;
+                      p.logprobs = AllLogprobs(4, false);
                     })},
                    {}});
   {

@@ -228,7 +228,10 @@ TEST(CpuSamplerStatsTest, TopKMatchesRenormalizedTruncatedSoftmax) {
     p.temperature = 1.3f;
     std::vector<bool> keep(m.vocab, false);
     const std::vector<int32_t> order = Ranked(m, p.temperature);
-    for (int i = 0; i < k; ++i) keep[order[i]] = true;
+    // Every x >= the k-th largest x (ties at the k-th value stay).
+    const float inv_t = 1.0f / p.temperature;
+    const float kth = m.logits[order[k - 1]] * inv_t;
+    for (int64_t i = 0; i < m.vocab; ++i) keep[i] = m.logits[i] * inv_t >= kth;
     const auto counts = Draw(m, p, 77 + k, false);
     ExpectFits(counts[0], Softmax(m, p.temperature, keep),
                "top_k=" + std::to_string(k));

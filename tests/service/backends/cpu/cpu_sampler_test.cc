@@ -122,7 +122,7 @@ Reference ReferenceSample(const std::vector<float>& z, const RowSpec& spec) {
       l[i] = l[i] - p.presence_penalty;
     }
   }
-  const bool greedy = p.temperature == 0.0f;
+  const bool greedy = p.temperature < 1e-5f;  // tiny T included (vLLM)
   const float inv_t = greedy ? 1.0f : 1.0f / p.temperature;
   std::vector<float> x(vocab);
   for (int64_t i = 0; i < vocab; ++i) x[i] = l[i] * inv_t;
@@ -148,8 +148,13 @@ Reference ReferenceSample(const std::vector<float>& z, const RowSpec& spec) {
       while (keep < order.size() && x[order[keep]] - x_max >= log_min_p) ++keep;
       order.resize(keep);
     }
-    if (p.top_k > 0 && static_cast<size_t>(p.top_k) < order.size())
-      order.resize(p.top_k);
+    if (p.top_k > 0 && static_cast<size_t>(p.top_k) < order.size()) {
+      // Every token tied with the k-th largest x stays.
+      const float v = x[order[p.top_k - 1]];
+      size_t keep = p.top_k;
+      while (keep < order.size() && x[order[keep]] >= v) ++keep;
+      order.resize(keep);
+    }
     if (p.top_p < 1.0f) {
       std::vector<uint64_t> mass(order.size());
       uint128 total = 0;
@@ -196,22 +201,25 @@ Reference ReferenceSample(const std::vector<float>& z, const RowSpec& spec) {
     }
     ref.tokens.push_back(best);
   }
-  // Logprobs, naive double.
+  // Logprobs, naive double. Raw ones: the raw logits of the tokens the
+  // masks (banned ids, bitmask) allow.
   const bool raw = p.logprobs.raw;
+  std::vector<bool> listed(vocab);
+  for (int64_t i = 0; i < vocab; ++i) listed[i] = raw ? !masked[i] : in_s[i];
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t i = 0; i < vocab; ++i) {
-    if (raw || in_s[i]) m = std::max(m, static_cast<double>(raw ? z[i] : x[i]));
+    if (listed[i]) m = std::max(m, static_cast<double>(raw ? z[i] : x[i]));
   }
   double sum = 0.0;
   for (int64_t i = 0; i < vocab; ++i) {
-    if (raw || in_s[i]) sum += std::exp((raw ? z[i] : x[i]) - m);
+    if (listed[i]) sum += std::exp((raw ? z[i] : x[i]) - m);
   }
   ref.logsumexp = m + std::log(sum);
   for (int32_t t : ref.tokens)
     ref.sampled_logprobs.push_back((raw ? z[t] : x[t]) - ref.logsumexp);
   std::vector<int32_t> ranked;
   for (int64_t i = 0; i < vocab; ++i) {
-    if (raw || in_s[i]) ranked.push_back(static_cast<int32_t>(i));
+    if (listed[i]) ranked.push_back(static_cast<int32_t>(i));
   }
   const std::vector<float>& key = raw ? z : x;
   std::sort(ranked.begin(), ranked.end(), [&](int32_t a, int32_t b) {
@@ -259,7 +267,8 @@ SamplingParams RandomParams(std::mt19937& rng, int64_t vocab) {
   std::uniform_int_distribution<int32_t> token(0,
                                                static_cast<int32_t>(vocab - 1));
   SamplingParams p;
-  p.temperature = pick(0.0f, 0.4f, 1.0f, 1.0f, 1.7f);
+  // 1e-38 and 9.9e-6 are greedy (below 1e-5); 1e-5 samples.
+  p.temperature = pick(0.0f, 1e-38f, 9.9e-6f, 1e-5f, 0.4f, 1.0f, 1.0f, 1.7f);
   p.top_k = coin(0.5) ? pick(1, 2, 7, 50, 300, 2000) : 0;
   p.top_p = coin(0.5) ? pick(0.05f, 0.5f, 0.9f, 0.99f) : 1.0f;
   p.min_p = coin(0.3) ? pick(0.01f, 0.1f, 0.5f, 1.0f) : 0.0f;
@@ -465,8 +474,9 @@ TEST(CpuSamplerTest, MatchesWholeRowReferenceOnRandomControls) {
   }
 }
 
-// Small-integer logits make exact ties common: top-k and top-p cuts that fall
-// inside a run of equal logits must keep the lowest ids, across chunks.
+// Small-integer logits make exact ties common: a top-k cut inside a run of
+// equal logits keeps the whole run, a top-p cut keeps its lowest ids, across
+// chunks.
 TEST(CpuSamplerTest, CutsInsideTiesKeepLowestIdsOnEveryPath) {
   const int64_t vocab = 2000, hidden = 4;
   const int rows = 24;
@@ -490,7 +500,9 @@ TEST(CpuSamplerTest, CutsInsideTiesKeepLowestIdsOnEveryPath) {
   auto logit_source = MakeSampler(w, vocab, hidden);
   std::vector<float> logits(rows * vocab);
   ASSERT_TRUE(logit_source->ComputeLogits(h.data(), rows, logits.data()).ok());
-  for (int64_t buffer : {4096, 100, 0}) {
+  // 138 = the top_k of row 1: a buffer of exactly k entries, where ties at
+  // the k-th value run past the buffer.
+  for (int64_t buffer : {4096, 138, 100, 0}) {
     CpuSamplerOptions options;
     options.chunk_rows = 256;
     options.candidate_buffer = buffer;
@@ -720,17 +732,166 @@ TEST(CpuSamplerTest, TopPKeepsShortestPrefixReachingP) {
   EXPECT_EQ(SampledSet(logits, p, 200), (std::set<int32_t>{3, 270, 271, 590}));
 }
 
-// top_k is strictly k tokens; a boundary inside equal logits keeps the
-// lowest ids (our documented choice, matching the global tie-break rule).
-TEST(CpuSamplerTest, TopKIsStrictlyKWithLowestIdsOnTies) {
+// top_k keeps every token tied with the k-th largest x (vLLM's
+// sort-and-threshold), so more than k tokens may stay; then top_p cuts the
+// renormalized survivors. Every path: buffers that hold all ties, exactly k
+// entries (ties beyond the buffer), fewer than k, and none (radix select).
+TEST(CpuSamplerTest, TopKKeepsEveryTieAtTheKthValue) {
   std::vector<float> logits(600, -3.0f);
   logits[500] = 2.0f;
   for (int32_t id : {7, 260, 400, 599}) logits[id] = 1.0f;
+  const std::set<int32_t> top5 = {500, 7, 260, 400, 599};
+  std::set<int32_t> every;
+  for (int32_t i = 0; i < 600; ++i) every.insert(i);
+  const struct {
+    int32_t top_k;
+    float top_p;
+    std::set<int32_t> want;
+  } cases[] = {
+      {1, 1.0f, {500}},
+      {2, 1.0f, top5},
+      {3, 1.0f, top5},
+      {5, 1.0f, top5},
+      {6, 1.0f, every},  // the k-th value is -3: every token ties
+      // Masses e^2 and 4 x e^1 (total 18.26): p = 0.5 needs 9.13, reached
+      // at id 7; p = 0.9 needs 16.43, reached only at the last tie.
+      {3, 0.5f, {500, 7}},
+      {3, 0.9f, top5},
+  };
+  for (int64_t buffer : {4096, 6, 5, 4, 3, 2, 1, 0}) {
+    DirectLogits d(logits, CpuSamplerOptions{2, 256, buffer});
+    for (const auto& c : cases) {
+      SamplingParams p;
+      p.top_k = c.top_k;
+      p.top_p = c.top_p;
+      std::vector<RowResult> out;
+      ASSERT_TRUE(d.SampleSeeds(p, 0, 600, &out).ok());
+      std::set<int32_t> seen;
+      for (const RowResult& r : out) seen.insert(r.token_ids[0]);
+      if (c.want.size() <= 5) {
+        EXPECT_EQ(seen, c.want) << "top_k " << c.top_k << " top_p " << c.top_p
+                                << " buffer " << buffer;
+      } else {
+        // 600 tokens of near-equal mass: every draw is allowed, most differ.
+        EXPECT_GT(seen.size(), 100u) << "buffer " << buffer;
+      }
+    }
+  }
+  // Processed logprobs are over the five survivors of top_k = 3.
+  DirectLogits d(logits);
   SamplingParams p;
   p.top_k = 3;
-  EXPECT_EQ(SampledSet(logits, p, 400), (std::set<int32_t>{500, 7, 260}));
-  p.top_k = 1;
-  EXPECT_EQ(SampledSet(logits, p, 50), (std::set<int32_t>{500}));
+  p.logprobs.logsumexp = true;
+  p.logprobs.top_n = 7;
+  RowResult r;
+  ASSERT_TRUE(d.Sample(p, 1, &r).ok());
+  const double lse = std::log(std::exp(2.0) + 4.0 * std::exp(1.0));
+  EXPECT_NEAR(r.logsumexp, lse, 1e-6);
+  EXPECT_EQ(r.top_token_ids, (std::vector<int32_t>{500, 7, 260, 400, 599}));
+}
+
+// Raw logprobs (vLLM's raw_logprobs) are over the raw logits after the
+// masks: banned and bitmask-disallowed tokens are out of the log-sum-exp and
+// never listed; logit_bias (even -inf), penalties and temperature do not
+// apply.
+TEST(CpuSamplerTest, RawLogprobsExcludeMaskedTokens) {
+  const int64_t vocab = 300;
+  std::vector<float> logits(vocab);
+  for (int64_t i = 0; i < vocab; ++i) logits[i] = std::sin(i * 0.37f) * 2.0f;
+  logits[40] = 9.0f;   // banned
+  logits[290] = 8.0f;  // disallowed by the bitmask
+  logits[17] = 7.0f;   // -inf bias: still in the raw distribution
+  logits[5] = 6.0f;    // penalized: raw ignores it
+  for (int64_t buffer : {4096, 0}) {
+    DirectLogits d(logits, CpuSamplerOptions{2, 256, buffer});
+    SamplingParams p;
+    p.temperature = 0.6f;
+    p.top_k = 30;
+    p.banned_token_ids = {40};
+    p.allowed_bitmask.assign((vocab + 31) / 32, ~0u);
+    p.allowed_bitmask[290 / 32] &= ~(1u << (290 % 32));
+    p.logit_bias = {{17, -std::numeric_limits<float>::infinity()}, {100, 3.0f}};
+    p.repetition_penalty = 3.0f;
+    p.prompt_token_ids = {5};
+    p.n = 3;
+    p.logprobs = {true, true, 4, true};
+    RowResult r;
+    ASSERT_TRUE(d.Sample(p, 7, &r).ok());
+    double m = -1e30;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (i != 40 && i != 290) m = std::max(m, static_cast<double>(logits[i]));
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (i != 40 && i != 290) sum += std::exp(logits[i] - m);
+    }
+    const double lse = m + std::log(sum);
+    EXPECT_NEAR(r.logsumexp, lse, 1e-5) << buffer;
+    std::vector<int32_t> ids;
+    for (int32_t i = 0; i < vocab; ++i) {
+      if (i != 40 && i != 290) ids.push_back(i);
+    }
+    std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    ids.resize(4);
+    EXPECT_EQ(ids[0], 17);
+    EXPECT_EQ(ids[1], 5);
+    EXPECT_EQ(r.top_token_ids, ids) << buffer;
+    ASSERT_EQ(r.top_logprobs.size(), 4u);
+    for (int i = 0; i < 4; ++i)
+      EXPECT_NEAR(r.top_logprobs[i], logits[ids[i]] - lse, 1e-5) << i;
+    ASSERT_EQ(r.sampled_logprobs.size(), 3u);
+    for (int j = 0; j < 3; ++j) {
+      EXPECT_NE(r.token_ids[j], 17);
+      EXPECT_NEAR(r.sampled_logprobs[j], logits[r.token_ids[j]] - lse, 1e-5);
+    }
+  }
+}
+
+// Regression: T = 1e-38 failed on the CPU backend with INVALID_ARGUMENT
+// "logit ... not finite" (1 / T overflowed, x = l / T reached inf) and gave a
+// wrong token on the CUDA backend. Below 1e-5 a row is greedy (vLLM's rule):
+// argmax of l, lowest id on ties, filters ignored, logprobs at T = 1.
+TEST(CpuSamplerTest, TinyTemperatureFailedOnCpuAndGaveWrongTokenOnCuda) {
+  std::vector<float> logits(600);
+  for (int i = 0; i < 600; ++i) logits[i] = std::cos(i * 0.21f) * 4.0f;
+  logits[130] = 6.0f;
+  logits[444] = 6.0f;  // an exact tie: greedy takes 130, sampling either
+  DirectLogits d(logits, CpuSamplerOptions{2, 256, 4096});
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  greedy.n = 3;
+  greedy.logprobs = {true, true, 3, false};
+  std::vector<RowResult> want;
+  ASSERT_TRUE(d.SampleSeeds(greedy, 0, 40, &want).ok());
+  ASSERT_EQ(want[0].token_ids, (std::vector<int32_t>{130, 130, 130}));
+  for (float t : {1e-38f, 1e-30f, 9.9e-6f}) {
+    SamplingParams p = greedy;
+    p.temperature = t;
+    p.top_k = 5;  // ignored, as for T = 0
+    p.min_p = 0.5f;
+    std::vector<RowResult> got;
+    const absl::Status status = d.SampleSeeds(p, 0, 40, &got);
+    ASSERT_TRUE(status.ok()) << "T " << t << ": " << status;
+    for (int r = 0; r < 40; ++r) {
+      EXPECT_EQ(got[r].token_ids, want[r].token_ids) << "T " << t;
+      EXPECT_EQ(got[r].sampled_logprobs, want[r].sampled_logprobs) << t;
+      EXPECT_EQ(got[r].logsumexp, want[r].logsumexp) << "T " << t;
+      EXPECT_EQ(got[r].top_token_ids, want[r].top_token_ids) << "T " << t;
+      EXPECT_EQ(got[r].top_logprobs, want[r].top_logprobs) << "T " << t;
+    }
+  }
+  // From 1e-5 up a row samples: the tie splits between its two tokens.
+  for (float t : {1e-5f, 1e-3f}) {
+    SamplingParams p;
+    p.temperature = t;
+    std::vector<RowResult> got;
+    ASSERT_TRUE(d.SampleSeeds(p, 0, 200, &got).ok()) << t;
+    std::set<int32_t> seen;
+    for (const RowResult& r : got) seen.insert(r.token_ids[0]);
+    EXPECT_EQ(seen, (std::set<int32_t>{130, 444})) << "T " << t;
+  }
 }
 
 TEST(CpuSamplerTest, GreedyTakesLowestIdAmongTies) {

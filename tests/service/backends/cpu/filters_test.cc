@@ -1,7 +1,7 @@
 // Filters step: the min_p floor against an fp64 check of every float near
 // it, exact ceil(p * z), the fixed-point masses, the order key, Cutoff tie
-// handling (kUpToId, kFirstRanks across chunks), the top-p cut of a list,
-// and a full radix select of a count against a sort.
+// handling (kUpToId, kFirstRanks across chunks, kAll for top_k), the top-p cut
+// of a list, and a full radix select of a count against a sort.
 #include "service/backends/cpu/filters.h"
 
 #include <gtest/gtest.h>
@@ -73,6 +73,23 @@ TEST(FiltersTest, CutoffTiesGoToTheLowestIdsAcrossChunks) {
   EXPECT_TRUE(c.Keep(2.0f, 50));   // third tie
   EXPECT_FALSE(c.Keep(2.0f, 51));  // fourth
   EXPECT_TRUE(c.Keep(2.5f, 52));
+}
+
+// top_k's cut is a value threshold: every tie of the k-th value stays,
+// whatever its id or chunk.
+TEST(FiltersTest, AtLeastKeepsEveryTieOfTheValue) {
+  const Cutoff at_least = Cutoff::AtLeast(2.0f);
+  EXPECT_TRUE(at_least.active);
+  EXPECT_EQ(at_least.ties, Cutoff::Ties::kAll);
+  for (int64_t chunk : {-1, 0, 3}) {
+    CutoffCursor c;
+    c.Start(at_least, chunk);
+    EXPECT_TRUE(c.Keep(3.0f, 100));
+    EXPECT_TRUE(c.Keep(2.0f, 0));
+    EXPECT_TRUE(c.Keep(2.0f, 7));
+    EXPECT_TRUE(c.Keep(2.0f, 123456));
+    EXPECT_FALSE(c.Keep(std::nextafter(2.0f, 0.0f), 1));
+  }
 }
 
 TEST(FiltersTest, TopPCutOfListIsTheShortestPrefixReachingP) {

@@ -32,6 +32,16 @@ TEST(TemperatureTest, GreedyScalesByOneAndZeroHasOneSign) {
   SamplingParams p;
   p.temperature = 0.0f;
   EXPECT_EQ(InverseTemperature(p), 1.0f);
+  // Below 1e-5 a row is greedy (vLLM's rule): 1 / T never reaches fp32's
+  // overflow (1 / 1e-38 scaled logits to +-inf).
+  for (float t : {1e-38f, 1e-30f, 9.9e-6f}) {
+    p.temperature = t;
+    EXPECT_TRUE(p.greedy()) << t;
+    EXPECT_EQ(InverseTemperature(p), 1.0f) << t;
+  }
+  p.temperature = 1e-5f;
+  EXPECT_FALSE(p.greedy());
+  EXPECT_EQ(InverseTemperature(p), 1.0f / 1e-5f);
   const float x = ScaleLogit(-0.0f, 2.0f);
   EXPECT_EQ(x, 0.0f);
   EXPECT_FALSE(std::signbit(x));

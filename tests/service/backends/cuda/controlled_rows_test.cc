@@ -149,6 +149,33 @@ TEST(ControlledRowsTest, OnlyControlsBeyondTemperatureAndNNeedTheSampler) {
   }
 }
 
+// Regression: T = 1e-38 reached the kernel as a temperature (1 / T scaled
+// logits to +-inf) and gave a wrong token. Rows SamplingParams::greedy()
+// calls greedy (T < 1e-5) reach it as temperature 0, its greedy rule; 1e-5
+// and above pass unchanged.
+TEST(ControlledRowsTest, TinyTemperatureFailedOnCpuAndGaveWrongTokenOnCuda) {
+  ControlledRowLists lists;
+  for (float t : {0.0f, 1e-38f, 1e-30f, 9.9e-6f, 1e-5f, 0.7f}) {
+    SamplingParams p;
+    p.temperature = t;
+    const RowSpec spec{&p, 1, 2};
+    const ControlledRowInput in = ControlledInputFrom(spec, &lists);
+    EXPECT_EQ(in.temperature, t < 1e-5f ? 0.0f : t) << t;
+    EXPECT_EQ(p.greedy(), t < 1e-5f) << t;
+    EXPECT_TRUE(ValidateCudaRow(p, kVocab).ok()) << t;
+  }
+}
+
+// top_k = -1 is "off" (vLLM), as ValidateSamplingParams has it; -2 is not.
+TEST(ControlledRowsTest, TopKMinusOneIsOff) {
+  SamplingParams p;
+  p.top_k = -1;
+  EXPECT_TRUE(ValidateCudaRow(p, kVocab).ok());
+  EXPECT_FALSE(NeedsControlledSampler(p));
+  p.top_k = -2;
+  EXPECT_FALSE(ValidateCudaRow(p, kVocab).ok());
+}
+
 // The engine's conversion packs byte for byte what the controlled
 // sampler's tests pack (tests/kernels/controls/controlled_test_util.h),
 // for every case they sweep, with one reused ControlledRowLists.

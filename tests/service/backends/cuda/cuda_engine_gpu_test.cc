@@ -491,6 +491,58 @@ TEST_F(CudaEngineGpuTest, ControlsGiveTheCpuSamplersRowsOnSmallIntegerWeights) {
   }
 }
 
+// Regression: T = 1e-38 gave a wrong token on the CUDA backend (1 / T
+// scaled every fused score to +-inf) and failed on the CPU backend ("logit
+// ... not finite"). Below 1e-5 a row is greedy (SamplingParams::greedy(),
+// vLLM's rule) on both paths: the fused one (temperature only) and the
+// controlled one (with logprobs, at T = 1); 1e-5 samples. Every row equals
+// the CPU sampler's.
+TEST_F(CudaEngineGpuTest, TinyTemperatureFailedOnCpuAndGaveWrongTokenOnCuda) {
+  constexpr int64_t kVocab = 1001;
+  constexpr int kHidden = 64;
+  std::vector<float> values;
+  auto engine = OneGpuEngine(kVocab, kHidden, 24, 64, &values);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto sampler = CpuReference(values, kVocab, kHidden);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  const float temperatures[] = {0.0f, 1e-38f, 9.9e-6f, 1e-5f};
+  // One hidden state for every row: greedy rows all take its argmax.
+  const std::vector<float> one = testing_controls::MakeHidden(1, kHidden, 25);
+  constexpr int kRows = 32;
+  std::vector<float> hidden;
+  for (int r = 0; r < kRows; ++r)
+    hidden.insert(hidden.end(), one.begin(), one.end());
+  for (bool with_logprobs : {false, true}) {
+    std::vector<SamplingParams> params;
+    for (float t : temperatures) {
+      SamplingParams p;
+      p.temperature = t;
+      p.n = 2;
+      if (with_logprobs) {
+        p.top_k = 3;  // ignored by greedy rows
+        p.logprobs = testing_controls::AllLogprobs(4, false);
+      }
+      params.push_back(p);
+    }
+    std::vector<RowSpec> specs(kRows);
+    for (int r = 0; r < kRows; ++r) {
+      specs[r] = RowSpec{&params[r % 4], static_cast<uint64_t>(900 + r), 7};
+    }
+    const std::string where = with_logprobs ? "controlled path" : "fused path";
+    ExpectEngineEqualsCpu(**engine, **sampler, hidden, specs, where);
+    StageHidden(**engine, 0, hidden);
+    std::vector<RowResult> gpu;
+    ASSERT_TRUE(
+        (*engine)->Sample(BatchView{0, kRows, specs.data()}, &gpu).ok());
+    for (int r = 0; r < kRows; ++r) {
+      if (r % 4 == 1 || r % 4 == 2) {  // T = 1e-38, 9.9e-6: greedy
+        EXPECT_EQ(gpu[r].token_ids, gpu[0].token_ids) << where << " row " << r;
+        EXPECT_EQ(gpu[r].top_token_ids, gpu[0].top_token_ids) << where;
+      }
+    }
+  }
+}
+
 // Plain rows riding in a batch with controlled rows keep the tokens a
 // plain-only batch gives them (same noise, same logits), and the
 // controlled rows equal the CPU's.
