@@ -2,10 +2,13 @@
 // engine. One worker thread per engine slot takes whatever is queued the
 // moment its slot is free (up to max_batch_rows, never splitting a request),
 // drops requests that expired or were cancelled while queued, launches one
-// engine batch and hands each request its own rows back.
+// engine batch and hands each request its own rows back on a small pool of
+// completion threads, so that the slot takes its next batch as soon as the
+// engine returns.
 #ifndef FLASHSAMPLER_SERVICE_SERVING_BATCHER_H_
 #define FLASHSAMPLER_SERVICE_SERVING_BATCHER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -39,9 +42,10 @@ class BatchItem {
 
   // True when the caller went away; its rows are then not computed.
   virtual bool IsCancelled() const { return false; }
-  // Called exactly once, on a batcher thread, for every item Submit()
-  // accepted: OK with `rows` results, or the reason the rows were not
-  // sampled. The batcher destroys the item right after.
+  // Called exactly once, on a batcher thread (a slot's worker or a
+  // completion thread), for every item Submit() accepted: OK with `rows`
+  // results, or the reason the rows were not sampled. The batcher destroys the
+  // item right after.
   virtual void Done(const absl::Status& status, std::vector<RowResult> results,
                     const BatchTiming& timing) = 0;
 
@@ -94,8 +98,29 @@ class Batcher {
  private:
   enum class State { kLoading, kAccepting, kDraining, kStopped };
 
+  // One item's answer, waiting for its Done() call.
+  struct Completion {
+    std::unique_ptr<BatchItem> item;
+    absl::Status status;
+    std::vector<RowResult> results;
+    BatchTiming timing;
+  };
+  // Some completions of one batch; the last job of a batch to finish ends
+  // the batch's count in running_.
+  struct CompletionJob {
+    std::vector<Completion> completions;
+    std::shared_ptr<std::atomic<int>> batch_jobs_left;
+  };
+
   void WorkerLoop(int slot);
-  void RunBatch(int slot, std::vector<std::unique_ptr<BatchItem>> items);
+  // Launches one batch; returns every item's answer, not yet delivered.
+  std::vector<Completion> RunBatch(
+      int slot, std::vector<std::unique_ptr<BatchItem>> items);
+  // Delivers `completions` (Done() calls), inline or on the completion
+  // threads, and ends the batch's count in running_ once all are delivered.
+  void Complete(std::vector<Completion> completions);
+  void CompleterLoop();
+  void EndBatch();
   void FailAll(const absl::Status& status);
 
   Engine* const engine_;
@@ -116,6 +141,13 @@ class Batcher {
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::thread> workers_;  // touched only by Start()/Stop()
   absl::Mutex stop_mu_;               // serializes Stop()
+
+  // Completion threads: Done() calls run here, off the slots' workers.
+  absl::Mutex done_mu_;
+  absl::CondVar done_cv_;
+  std::deque<CompletionJob> done_queue_ ABSL_GUARDED_BY(done_mu_);
+  bool completers_stop_ ABSL_GUARDED_BY(done_mu_) = false;
+  std::vector<std::thread> completers_;  // touched only by Start()/Stop()
 };
 
 }  // namespace flashsampler

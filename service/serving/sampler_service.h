@@ -2,6 +2,9 @@
 // request (never block), hand it to the batcher and return; batcher threads
 // finish the reactors. SampleStream answers one response per request, in
 // order, with at most max_stream_in_flight requests of a stream in flight.
+// Sample and SampleStream take raw bytes and parse them here: gRPC's typed
+// handlers answer an unparsable unary request UNIMPLEMENTED with no message
+// and end a stream OK at an unparsable message, dropping it unanswered.
 #ifndef FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
 #define FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
 
@@ -20,7 +23,13 @@ namespace flashsampler {
 
 class SampleStreamReactor;
 
-class SamplerService final : public v1::Sampler::CallbackService {
+// Sample and SampleStream as raw (ByteBuffer) callback methods,
+// GetModelInfo typed.
+using SamplerServiceBase = v1::Sampler::WithRawCallbackMethod_Sample<
+    v1::Sampler::WithRawCallbackMethod_SampleStream<
+        v1::Sampler::WithCallbackMethod_GetModelInfo<v1::Sampler::Service>>>;
+
+class SamplerService final : public SamplerServiceBase {
  public:
   // `batcher` and `metrics` must outlive the service. `model_info` is what
   // GetModelInfo returns.
@@ -28,16 +37,22 @@ class SamplerService final : public v1::Sampler::CallbackService {
                  v1::ModelInfo model_info, int max_stream_in_flight);
   ~SamplerService() override;
 
+  // A request that does not parse is INVALID_ARGUMENT "request is not a
+  // valid flashsampler.v1.SampleRequest", counted like any other answer.
   grpc::ServerUnaryReactor* Sample(grpc::CallbackServerContext* context,
-                                   const v1::SampleRequest* request,
-                                   v1::SampleResponse* response) override;
-  grpc::ServerBidiReactor<v1::SampleRequest, v1::SampleResponse>* SampleStream(
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
+  // A message that does not parse ends the stream with INVALID_ARGUMENT
+  // naming it ("frame N", 0-based) once every earlier request is answered.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SampleStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
 
-  // Drain: open streams stop reading, answer what they accepted and end with
+  // Drain: waits a short grace so that calls already sent reach their
+  // handlers (and the batcher's UNAVAILABLE) before gRPC shuts down; then
+  // open streams stop reading, answer what they accepted and end with
   // UNAVAILABLE; streams opened later end at once. Unary calls are refused by
   // the batcher (Batcher::StopAccepting), not here.
   void BeginDrain();

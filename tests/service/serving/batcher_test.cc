@@ -47,14 +47,18 @@ class TestItem final : public BatchItem {
   bool IsCancelled() const override { return outcome_->cancelled; }
   void Done(const absl::Status& status, std::vector<RowResult> results,
             const BatchTiming& timing) override {
+    if (block_done_ != nullptr) block_done_->WaitForNotification();
     outcome_->status = status;
     outcome_->results = std::move(results);
     outcome_->timing = timing;
     outcome_->done.Notify();
   }
+  // Done() waits for `release` (a slow response encoder) before recording.
+  void BlockDoneUntil(absl::Notification* release) { block_done_ = release; }
 
  private:
   std::shared_ptr<Outcome> outcome_;
+  absl::Notification* block_done_ = nullptr;
 };
 
 // An item of `rows` rows with seeds seed0.. and h[r][0] = first + r.
@@ -336,6 +340,31 @@ TEST(BatcherTest, OneWorkerPerSlotRunsBatchesConcurrently) {
   ASSERT_TRUE(a->done.WaitForNotificationWithTimeout(kWait));
   ASSERT_TRUE(b->done.WaitForNotificationWithTimeout(kWait));
   EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 1));
+}
+
+// Regression: a batch's answers were delivered on the slot's worker, so the
+// slot sat idle until every caller of the batch had been answered.
+TEST(BatcherTest, DeliveringAnswersDoesNotHoldTheSlot) {
+  Fixture f;  // one slot
+  f.batcher.Start();
+  f.state->CloseGate();
+  absl::Notification release;
+  std::shared_ptr<Outcome> a, b, c;
+  auto slow = MakeItem(&a, 1, 1);
+  slow->BlockDoneUntil(&release);
+  ASSERT_TRUE(f.batcher.Submit(std::move(slow)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&b, 1, 2)).ok());
+  f.state->OpenGate();
+  // b's batch launches and is answered while a's answer is still stuck.
+  EXPECT_TRUE(b->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_FALSE(a->done.HasBeenNotified());
+  release.Notify();
+  ASSERT_TRUE(a->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(a->status.ok());
+  EXPECT_TRUE(b->status.ok());
+  // Idle only once every answer is delivered.
+  EXPECT_TRUE(f.batcher.WaitIdle(absl::Now() + kWait));
 }
 
 }  // namespace

@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""The service benchmark: flashsamplerd under fs_load, next to the kernel.
+
+Starts the daemon on synthetic weights, runs fs_load over a grid of load
+points (closed loop: callers x rows per request; open loop: fixed request
+rates), scrapes the daemon's own histograms before and after each point, and
+prints one table: throughput and latency percentiles beside the daemon's
+mean queue wait, batch rows and batch execution time, and the kernel's own
+time at the same batch sizes when fs_bench results are given.
+
+  load/service_bench.py --daemon build/bin/flashsamplerd \\
+      --load build/bin/fs_load --backend cpu --grid smoke --out /tmp/sb \\
+      --weights synthetic:vocab=4096,hidden=256,seed=1,dtype=bf16
+  # the service path alone (engine answers at once):
+  load/service_bench.py --daemon build/bin/flashsamplerd_null_engine \\
+      --load build/bin/fs_load --backend null --out /tmp/sb
+
+Columns: fs_load's throughput and percentiles; the daemon's mean queue wait,
+batch execution time and batch rows over the point (Prometheus histograms
+scraped before and after); overhead_ms = p50 - queue - execute (decode,
+staging, response encoding and the two gRPC hops); the kernel's time at the
+nearest batch size when --kernel_csv (fs_bench results.csv) is given. Exit
+status 1 when any point had errors or the daemon failed.
+
+Only the standard library: it runs on the GPU machines as they are.
+"""
+
+import argparse
+import csv
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+# (mode, callers or rate, rows per request)
+FULL_GRID = ([("closed", c, 1) for c in (1, 16, 64, 256)] +
+             [("closed", c, r) for r in (16, 64, 256) for c in (1, 4, 16)] +
+             [("open", rate, 1) for rate in (1000, 5000, 10000, 20000)])
+SMOKE_GRID = [("closed", 1, 1), ("closed", 16, 1), ("closed", 4, 16),
+              ("open", 200, 1)]
+
+HISTOGRAMS = ("flashsampler_queue_wait_seconds",
+              "flashsampler_batch_execute_seconds",
+              "flashsampler_batch_rows")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port):
+    """Sum and count of each histogram in HISTOGRAMS (over all labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                timeout=5) as reply:
+        text = reply.read().decode()
+    totals = {}
+    for line in text.splitlines():
+        match = re.match(r"^(\w+)_(sum|count)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if match and match.group(1) in HISTOGRAMS:
+            key = (match.group(1), match.group(2))
+            totals[key] = totals.get(key, 0.0) + float(match.group(4))
+    return totals
+
+
+def mean_delta(before, after, name):
+    count = after.get((name, "count"), 0) - before.get((name, "count"), 0)
+    total = after.get((name, "sum"), 0) - before.get((name, "sum"), 0)
+    return total / count if count > 0 else float("nan")
+
+
+def wait_serving(port, metrics_port, daemon, deadline_s):
+    """True once the metrics endpoint answers and the gRPC port accepts (the
+    metrics endpoint comes up first, while the gRPC server still starts)."""
+    end = time.time() + deadline_s
+    while time.time() < end:
+        if daemon.poll() is not None:
+            return False
+        try:
+            scrape(metrics_port)
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def kernel_times(path, config):
+    """fs_bench results.csv -> {batch: fused kernel ms} for `config`."""
+    times = {}
+    if not path:
+        return times
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            if row.get("config") == config and row.get("fused_us"):
+                times[int(row["batch"])] = float(row["fused_us"]) / 1e3
+    return times
+
+
+def nearest(times, batch):
+    if not times or batch != batch:  # NaN: no batch ran
+        return None
+    return times[min(times, key=lambda b: abs(b - batch))]
+
+
+def fmt(value, digits=3):
+    return "" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--daemon", required=True)
+    parser.add_argument("--load", required=True)
+    parser.add_argument("--backend", default="cpu",
+                        choices=("cpu", "cuda", "null"),
+                        help="null: --daemon is flashsamplerd_null_engine")
+    parser.add_argument("--weights",
+                        default="synthetic:vocab=151936,hidden=4096,seed=1,"
+                        "dtype=bf16",
+                        help="passed to the daemon as --weights (always "
+                        "explicit); ignored by the null engine")
+    parser.add_argument("--kernel_config", default="qwen",
+                        help="fs_bench config whose times to show")
+    parser.add_argument("--grid", default="full", choices=("full", "smoke"))
+    parser.add_argument("--duration", default="8s")
+    parser.add_argument("--warmup", default="2s")
+    parser.add_argument("--kernel_csv", default="",
+                        help="fs_bench results.csv: the kernel alone")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--daemon_arg", action="append", default=[])
+    args = parser.parse_args()
+
+    os.makedirs(args.out, exist_ok=True)
+    port, metrics_port = free_port(), free_port()
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    log = open(os.path.join(args.out, "daemon.log"), "w")
+    command = [args.daemon, f"--listen_address=127.0.0.1:{port}",
+               f"--metrics_port={metrics_port}", "--metrics_address=127.0.0.1"]
+    if args.backend != "null":
+        command += [f"--backend={args.backend}", f"--weights={args.weights}"]
+    daemon = subprocess.Popen(command + args.daemon_arg, stdout=log,
+                              stderr=subprocess.STDOUT, env=env)
+    failed = False
+    try:
+        if not wait_serving(port, metrics_port, daemon, 600):
+            print("service_bench: the daemon did not come up; see daemon.log",
+                  file=sys.stderr)
+            return 1
+        grid = FULL_GRID if args.grid == "full" else SMOKE_GRID
+        summary = os.path.join(args.out, "load.csv")
+        if os.path.exists(summary):
+            os.remove(summary)
+        rows_out = []
+        for mode, amount, rows in grid:
+            label = f"{mode}-{amount}-{rows}"
+            command = [args.load, f"--target=127.0.0.1:{port}",
+                       f"--mode={mode}", f"--rows={rows}",
+                       f"--duration={args.duration}",
+                       f"--warmup={args.warmup}", f"--summary_csv={summary}",
+                       f"--label={label}", "--timeout=30s", "--retries=1"]
+            command.append(f"--concurrency={amount}" if mode == "closed" else
+                           f"--rate={amount}")
+            before = scrape(metrics_port)
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  env=env)
+            after = scrape(metrics_port)
+            # fs_load exits 3 when calls failed: that is a result to show
+            # (the errors column), anything else means no summary line.
+            if done.returncode not in (0, 3):
+                print(done.stdout, done.stderr, file=sys.stderr)
+                return 1
+            failed = failed or done.returncode != 0
+            rows_out.append({
+                "label": label,
+                "queue_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[0]),
+                "execute_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[1]),
+                "batch_rows": mean_delta(before, after, HISTOGRAMS[2]),
+            })
+        with open(summary) as f:
+            load_rows = {row["label"]: row for row in csv.DictReader(f)}
+        kernel = kernel_times(args.kernel_csv, args.kernel_config)
+        table = os.path.join(args.out, "service.csv")
+        header = ["point", "req_per_s", "rows_per_s", "p50_ms", "p99_ms",
+                  "errors", "queue_ms", "execute_ms", "overhead_ms",
+                  "batch_rows", "kernel_ms_at_batch"]
+        with open(table, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            print("| " + " | ".join(header) + " |")
+            print("|" + "---|" * len(header))
+            for extra in rows_out:
+                load = load_rows[extra["label"]]
+                p50 = float(load["p50_ms"])
+                overhead = p50 - extra["queue_ms"] - extra["execute_ms"]
+                values = [extra["label"],
+                          fmt(float(load["throughput_rps"]), 0),
+                          fmt(float(load["rows_per_s"]), 0), fmt(p50),
+                          fmt(float(load["p99_ms"])), load["errors"],
+                          fmt(extra["queue_ms"]), fmt(extra["execute_ms"]),
+                          fmt(overhead), fmt(extra["batch_rows"], 1),
+                          fmt(nearest(kernel, extra["batch_rows"]))]
+                writer.writerow(values)
+                print("| " + " | ".join(values) + " |")
+        if daemon.poll() is not None:
+            print("service_bench: the daemon died; see daemon.log",
+                  file=sys.stderr)
+            return 1
+        return 1 if failed else 0
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        log.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""CI smoke run of load/service_bench.py: the CPU backend on tiny synthetic
+weights, the smoke grid, short points. Asserts that the table is produced,
+one row per point, with no errors (timings are not asserted).
+
+  service_bench_smoke.py SOURCE_DIR DAEMON FS_LOAD OUT_DIR
+"""
+
+import csv
+import os
+import subprocess
+import sys
+
+
+def main():
+    source, daemon, load, out = sys.argv[1:5]
+    done = subprocess.run(
+        [sys.executable, os.path.join(source, "load", "service_bench.py"),
+         "--daemon", daemon, "--load", load, "--backend", "cpu",
+         "--weights", "synthetic:vocab=4096,hidden=256,seed=1,dtype=bf16",
+         "--grid", "smoke", "--duration", "1s", "--warmup", "0.2s",
+         "--out", out, "--daemon_arg=--cpu_threads=1"],
+        timeout=240)
+    if done.returncode != 0:
+        print(f"service_bench exited {done.returncode}", file=sys.stderr)
+        return 1
+    with open(os.path.join(out, "service.csv")) as f:
+        rows = list(csv.DictReader(f))
+    points = [row["point"] for row in rows]
+    expected = ["closed-1-1", "closed-16-1", "closed-4-16", "open-200-1"]
+    if points != expected:
+        print(f"points {points}, expected {expected}", file=sys.stderr)
+        return 1
+    for row in rows:
+        if row["errors"] != "0" or float(row["req_per_s"]) <= 0:
+            print(f"bad point: {row}", file=sys.stderr)
+            return 1
+    print("service_bench smoke: table of", len(rows), "points, no errors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
