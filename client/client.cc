@@ -313,6 +313,10 @@ absl::StatusOr<std::unique_ptr<SamplerClient>> SamplerClient::Create(
   if (!options.tls_server_name_override.empty()) {
     args.SetSslTargetNameOverride(options.tls_server_name_override);
   }
+  // Each client its own connections: gRPC otherwise shares one subchannel
+  // (one HTTP/2 connection) among every channel of the process with the
+  // same target, and a load generator's callers would all queue on it.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   auto channel = grpc::CreateCustomChannel(options.target, *credentials, args);
   if (channel == nullptr) {
     return absl::InternalError(

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
@@ -25,6 +26,10 @@ ABSL_FLAG(std::string, mode, "closed",
           "closed: --concurrency callers back to back; open: Poisson "
           "arrivals at --rate per second");
 ABSL_FLAG(int, concurrency, 8, "closed loop: concurrent callers");
+ABSL_FLAG(int, channels, 1,
+          "connections to spread the callers over (one HTTP/2 connection "
+          "carries about 17k small calls/s: use several to measure a fast "
+          "server)");
 ABSL_FLAG(bool, stream, false,
           "closed loop: each caller keeps one SampleStream open and sends "
           "its requests on it (no per-call retries)");
@@ -97,6 +102,18 @@ int Main(int argc, char** argv) {
   options.tls_server_name_override = absl::GetFlag(FLAGS_tls_server_name);
   auto client = SamplerClient::Create(options);
   if (!client.ok()) return Fail(client.status());
+  const int channels = absl::GetFlag(FLAGS_channels);
+  if (channels < 1) {
+    return Fail(absl::InvalidArgumentError("--channels: must be >= 1"));
+  }
+  std::vector<std::unique_ptr<SamplerClient>> more_clients;
+  std::vector<SamplerClient*> clients = {client->get()};
+  for (int c = 1; c < channels; ++c) {
+    auto another = SamplerClient::Create(options);
+    if (!another.ok()) return Fail(another.status());
+    clients.push_back(another->get());
+    more_clients.push_back(*std::move(another));
+  }
 
   DType dtype = DType::kBf16;
   const std::string dtype_name = absl::GetFlag(FLAGS_dtype);
@@ -126,7 +143,7 @@ int Main(int argc, char** argv) {
   if (!request.ok()) return Fail(request.status());
 
   auto result = RunLoad(
-      **client, std::make_shared<const v1::SampleRequest>(*std::move(request)),
+      clients, std::make_shared<const v1::SampleRequest>(*std::move(request)),
       load);
   if (!result.ok()) return Fail(result.status());
   const LoadSummary summary =

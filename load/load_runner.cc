@@ -36,7 +36,8 @@ bool ByStart(const CallRecord& a, const CallRecord& b) {
   return a.start_s < b.start_s;
 }
 
-LoadResult RunClosed(SamplerClient& client, const v1::SampleRequest& request,
+LoadResult RunClosed(const std::vector<SamplerClient*>& clients,
+                     const v1::SampleRequest& request,
                      const LoadOptions& options) {
   const int rows = RequestRows(request);
   const absl::Time measure_start = absl::Now() + options.warmup;
@@ -46,6 +47,7 @@ LoadResult RunClosed(SamplerClient& client, const v1::SampleRequest& request,
   std::vector<std::thread> callers;
   for (int i = 0; i < options.concurrency; ++i) {
     callers.emplace_back([&, i] {
+      SamplerClient& client = *clients[static_cast<size_t>(i) % clients.size()];
       std::vector<CallRecord>& records = per_caller[static_cast<size_t>(i)];
       std::unique_ptr<SampleStream> stream;
       for (absl::Time start = absl::Now(); start < end; start = absl::Now()) {
@@ -90,7 +92,7 @@ struct OpenLoopState {
   int outstanding ABSL_GUARDED_BY(mu) = 0;
 };
 
-LoadResult RunOpen(SamplerClient& client,
+LoadResult RunOpen(const std::vector<SamplerClient*>& clients,
                    std::shared_ptr<const v1::SampleRequest> request,
                    const LoadOptions& options) {
   const int rows = RequestRows(*request);
@@ -101,6 +103,7 @@ LoadResult RunOpen(SamplerClient& client,
   auto state = std::make_shared<OpenLoopState>();
   LoadResult result;
   const absl::Time t0 = absl::Now();
+  size_t next_client = 0;
   for (double arrival : arrivals) {
     const absl::Time scheduled = t0 + absl::Seconds(arrival);
     const absl::Duration wait = scheduled - absl::Now();
@@ -114,6 +117,7 @@ LoadResult RunOpen(SamplerClient& client,
       }
       ++state->outstanding;
     }
+    SamplerClient& client = *clients[next_client++ % clients.size()];
     client.SampleAsync(
         request, [state, scheduled, measured, rows, arrival,
                   warmup_s](absl::StatusOr<v1::SampleResponse> response) {
@@ -162,6 +166,18 @@ std::vector<double> PoissonArrivals(double rate, double horizon_s,
 absl::StatusOr<LoadResult> RunLoad(
     SamplerClient& client, std::shared_ptr<const v1::SampleRequest> request,
     const LoadOptions& options) {
+  return RunLoad(std::vector<SamplerClient*>{&client}, std::move(request),
+                 options);
+}
+
+absl::StatusOr<LoadResult> RunLoad(
+    const std::vector<SamplerClient*>& clients,
+    std::shared_ptr<const v1::SampleRequest> request,
+    const LoadOptions& options) {
+  if (clients.empty() ||
+      std::find(clients.begin(), clients.end(), nullptr) != clients.end()) {
+    return absl::InvalidArgumentError("clients: at least one, none null");
+  }
   if (request == nullptr || RequestRows(*request) < 1) {
     return absl::InvalidArgumentError("request: needs hidden states [B, D]");
   }
@@ -173,7 +189,7 @@ absl::StatusOr<LoadResult> RunLoad(
     if (options.concurrency < 1) {
       return absl::InvalidArgumentError("concurrency: must be >= 1");
     }
-    return RunClosed(client, *request, options);
+    return RunClosed(clients, *request, options);
   }
   if (options.stream) {
     return absl::InvalidArgumentError(
@@ -183,7 +199,7 @@ absl::StatusOr<LoadResult> RunLoad(
     return absl::InvalidArgumentError(
         "rate must be > 0 and max_outstanding >= 1");
   }
-  return RunOpen(client, std::move(request), options);
+  return RunOpen(clients, std::move(request), options);
 }
 
 }  // namespace flashsampler

@@ -40,3 +40,14 @@ python3 "$root/load/service_bench.py" --daemon "$bundle/bin/flashsamplerd" \
   --load "$bundle/bin/fs_load" --backend cuda \
   --weights synthetic:vocab=151936,hidden=4096,seed=1,dtype=bf16 \
   --kernel_csv "$out/kernel/results.csv" --out "$out" "$@"
+status=$?
+if [[ -x $bundle/bin/flashsamplerd_null_engine ]]; then
+  # The same serving path on an engine that answers at once: the ceiling of
+  # the service and of fs_load on this machine, without the GPU.
+  echo "== service_bench (the null engine: the service alone)"
+  python3 "$root/load/service_bench.py" \
+    --daemon "$bundle/bin/flashsamplerd_null_engine" \
+    --load "$bundle/bin/fs_load" --backend null --grid callers \
+    --duration 4s --warmup 1s --out "$out/null" || status=1
+fi
+exit $status
