@@ -42,8 +42,11 @@ struct RetryOptions {
   // accepted (server loading, draining, restarting or unreachable), so a
   // retry cannot sample a row twice. RESOURCE_EXHAUSTED (queue full) is not
   // here by default: retrying into an overloaded server makes it worse.
+  // CANCELLED is: this client never cancels its own unary calls, so a
+  // CANCELLED answer is gRPC dropping a call the server had not accepted yet
+  // while it shut down (the server answers every accepted call).
   std::vector<absl::StatusCode> retryable_codes = {
-      absl::StatusCode::kUnavailable};
+      absl::StatusCode::kUnavailable, absl::StatusCode::kCancelled};
 };
 
 struct ClientOptions {

@@ -143,6 +143,19 @@ TEST(SamplerClientTest, DoesNotRetryOtherCodes) {
   }
 }
 
+// A server shutting down drops calls it had not accepted yet with CANCELLED
+// (gRPC's doing, not the caller's): the client retries them like
+// UNAVAILABLE instead of failing the caller's decode step.
+TEST(SamplerClientTest, CancelledByAServerShuttingDownWasNotRetried) {
+  auto server = FakeSamplerServer::Start();
+  ASSERT_NE(server, nullptr);
+  server->service().FailFirst(1, grpc::StatusCode::CANCELLED);
+  auto client = MustCreate(FastRetryOptions(server->address()));
+  EXPECT_TRUE(client->Sample(TwoRowRequest()).ok());
+  EXPECT_EQ(server->service().calls(), 2);
+  EXPECT_EQ(client->retries(), 1);
+}
+
 TEST(SamplerClientTest, RetryableCodesAreConfigurable) {
   auto server = FakeSamplerServer::Start();
   ASSERT_NE(server, nullptr);

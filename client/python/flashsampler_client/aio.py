@@ -24,6 +24,9 @@ from flashsampler_client._common import (
     RowValues, Seeds, Tokens, check_response, decode_health_response,
     encode_health_request, to_error, tokens_and_seeds)
 
+# Codes retried with backoff: the call was not accepted by the server.
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
 __all__ = ["AsyncFlashSamplerClient", "AsyncSampleStream", "check_response"]
 
 _Request = sampler_pb2.SampleRequest
@@ -169,7 +172,11 @@ class AsyncFlashSamplerClient(ClientConfig):
                 return await method(request, timeout=remaining,
                                     wait_for_ready=self.wait_for_ready)
             except grpc.RpcError as error:
-                if (error.code() != grpc.StatusCode.UNAVAILABLE or
+                # CANCELLED too: this client never cancels a call itself
+                # (asyncio cancellation raises CancelledError instead), so
+                # it is gRPC dropping a call the server had not accepted yet
+                # while it shut down.
+                if (error.code() not in _RETRYABLE or
                         attempts > self.retries):
                     raise to_error(error, attempts) from None
                 sleep = self._jittered(backoff)

@@ -2,7 +2,7 @@
 over a blocking gRPC channel. flashsampler_client.aio has the same API for
 asyncio callers.
 
-Deadlines cover every attempt; UNAVAILABLE is retried with exponential backoff
+Deadlines cover every attempt; UNAVAILABLE and CANCELLED are retried with exponential backoff
 and jitter (the same policy as the C++ client in client/client.h). Streams are
 never retried: after a broken stream the caller cannot tell which requests
 were sampled.
@@ -30,6 +30,9 @@ __all__ = ["FlashSamplerClient", "SampleStream", "check_response",
 
 _Request = sampler_pb2.SampleRequest
 _Response = sampler_pb2.SampleResponse
+
+# Codes retried with backoff: the call was not accepted by the server.
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class SampleStream:
@@ -105,7 +108,8 @@ class FlashSamplerClient(ClientConfig):
     target: "host:port", "dns:///name:port" (round robin over every address:
         a headless Kubernetes Service), "ipv4:a:p,b:q".
     timeout: seconds per call, every retry included.
-    retries: extra attempts after an UNAVAILABLE answer (0 = none).
+    retries: extra attempts after an UNAVAILABLE or CANCELLED answer (0 =
+        none).
     backoff, max_backoff, jitter: sleep before retry k is
         min(backoff * 2**(k-1), max_backoff) * uniform(1 - jitter, 1 + jitter).
     root_certificates, private_key, certificate_chain: PEM bytes or file
@@ -179,7 +183,11 @@ class FlashSamplerClient(ClientConfig):
                 return method(request, timeout=remaining,
                               wait_for_ready=self.wait_for_ready)
             except grpc.RpcError as error:
-                if (error.code() != grpc.StatusCode.UNAVAILABLE or
+                # CANCELLED too: this client never cancels a call itself
+                # (asyncio cancellation raises CancelledError instead), so
+                # it is gRPC dropping a call the server had not accepted yet
+                # while it shut down.
+                if (error.code() not in _RETRYABLE or
                         attempts > self.retries):
                     raise to_error(error, attempts) from None
                 sleep = self._jittered(backoff)

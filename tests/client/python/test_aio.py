@@ -92,6 +92,14 @@ class AsyncClientTest(FakeServerCase):
         self.assertEqual(client.attempts_retried, 2)
         self.assertEqual(len(self.fake.requests), 3)
 
+    def test_async_retries_cancelled_by_a_server_shutting_down(self):
+        self.fake.fail_first = 1
+        self.fake.fail_code = grpc.StatusCode.CANCELLED
+        (tokens, _), client = self.run_async(
+            lambda c: c.sample(np.ones((1, 4), np.float32)))
+        self.assertEqual(tokens.shape, (1, 1))
+        self.assertEqual(client.attempts_retried, 1)
+
     def test_async_errors_map_to_exceptions(self):
         self.fake.fail_first = 1
         self.fake.fail_code = grpc.StatusCode.INVALID_ARGUMENT

@@ -210,6 +210,15 @@ class ClientTest(FakeServerCase):
             self.assertGreaterEqual(gaps[k], base * 0.75, f"retry {k + 1}")
             self.assertLess(gaps[k], base * 1.25 + 1.0, f"retry {k + 1}")
 
+    def test_cancelled_by_a_server_shutting_down_was_not_retried(self):
+        # gRPC drops calls a shutting-down server had not accepted with
+        # CANCELLED; the client never cancels its own calls, so it retries.
+        self.fake.fail_first = 1
+        self.fake.fail_code = grpc.StatusCode.CANCELLED
+        tokens, _ = self.client.sample(np.ones((1, 4), np.float32))
+        self.assertEqual(tokens.shape, (1, 1))
+        self.assertEqual(self.client.attempts_retried, 1)
+
     def test_gives_up_after_retries_with_unavailable_error(self):
         self.fake.fail_first = 100
         with self.assertRaises(flashsampler_client.UnavailableError) as ctx:
