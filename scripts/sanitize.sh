@@ -20,7 +20,10 @@ for kind in "${kinds[@]}"; do
     *) echo "unknown sanitizer build '$kind' (asan or tsan)" >&2; exit 2 ;;
   esac
   dir=build-$kind
-  cmake -S . -B "$dir" -DFS_CUDA=OFF -DFS_WERROR=ON \
+  # Warnings stay warnings here: with ASan's instrumentation GCC 12 reports
+  # std::regex's std::function members as maybe-uninitialized (inside
+  # libstdc++), which -Werror would turn into a failed build.
+  cmake -S . -B "$dir" -DFS_CUDA=OFF -DFS_WERROR=OFF \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFS_SANITIZE="$sanitize"
   cmake --build "$dir" -j"$jobs"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1"
