@@ -394,8 +394,8 @@ uint64_t VmPeakKib(pid_t pid) {
 // be allocated died of an uncaught std::bad_alloc (SIGABRT, no message). Now
 // start-up fails with the buffer named and its size, and the daemon exits 1.
 TEST(DaemonTest, OutOfMemoryAborts) {
-#if defined(__SANITIZE_ADDRESS__)
-  GTEST_SKIP() << "AddressSanitizer's shadow memory does not fit ulimit -v";
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "a sanitizer's shadow memory does not fit ulimit -v";
 #endif
   const std::string dir = testing::MakeTempDir();
   ASSERT_FALSE(dir.empty());

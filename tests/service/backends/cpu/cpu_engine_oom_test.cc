@@ -16,11 +16,14 @@
 #include "service/backends/cpu/cpu_engine.h"
 #include "service/weights/weights.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define FS_UNDER_ASAN 1
+// AddressSanitizer and ThreadSanitizer reserve terabytes of address space
+// for their shadow memory: RLIMIT_AS cannot be lowered under them.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define FS_UNDER_SHADOW_SANITIZER 1
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define FS_UNDER_ASAN 1
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
+    __has_feature(memory_sanitizer)
+#define FS_UNDER_SHADOW_SANITIZER 1
 #endif
 #endif
 
@@ -90,9 +93,8 @@ bool LimitAddressSpace(uint64_t headroom) {
 class CpuEngineOomTest : public ::testing::Test {
  protected:
   void SetUp() override {
-#ifdef FS_UNDER_ASAN
-    GTEST_SKIP() << "AddressSanitizer reserves terabytes of address space; "
-                    "RLIMIT_AS cannot be lowered under it";
+#ifdef FS_UNDER_SHADOW_SANITIZER
+    GTEST_SKIP() << "a sanitizer's shadow memory does not fit RLIMIT_AS";
 #endif
     GTEST_FLAG_SET(death_test_style, "threadsafe");
   }
