@@ -19,6 +19,9 @@ struct ShardInfo {
   int device = -1;  // CUDA ordinal; -1 on the CPU backend
   int64_t vocab_begin = 0;
   int64_t vocab_end = 0;
+  // Device memory the engine holds on `device` (weights, workspaces, slot
+  // buffers, tensor-parallel buffers); 0 on the CPU backend.
+  int64_t device_bytes = 0;
 };
 
 struct EngineInfo {

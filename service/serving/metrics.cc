@@ -115,8 +115,9 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   device_memory_ = &prometheus::BuildGauge()
                         .Name("flashsampler_device_memory_bytes")
                         .Help(
-                            "Device memory held for the LM-head weights "
-                            "shard, by CUDA device (no series on CPU)")
+                            "Device memory the engine holds (weight shard, "
+                            "slot buffers, workspaces, NCCL buffers), by "
+                            "CUDA device (no series on CPU)")
                         .Register(*registry_);
   weights_info_ = &prometheus::BuildGauge()
                        .Name("flashsampler_weights_info")

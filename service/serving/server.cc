@@ -419,9 +419,8 @@ Server::Server(const ServerOptions& options,
                            static_cast<int>(info.shards.size()), info.backend);
   for (const ShardInfo& shard : info.shards) {
     if (shard.device < 0) continue;  // CPU backend: no device memory
-    metrics_->SetDeviceMemoryBytes(
-        shard.device, static_cast<double>(shard.vocab_end - shard.vocab_begin) *
-                          info.hidden_size * DTypeSize(info.weight_dtype));
+    metrics_->SetDeviceMemoryBytes(shard.device,
+                                   static_cast<double>(shard.device_bytes));
   }
 
   // The largest legal request: B = max rows of fp32 hidden states, plus per

@@ -25,7 +25,9 @@ struct CpuEngineOptions {
 
 class CpuEngine : public Engine {
  public:
-  // Converts W (bf16, fp16 or fp32) to fp32 once.
+  // Converts W (bf16, fp16 or fp32) to fp32 once. ResourceExhausted, naming
+  // the buffer and its size in bytes, when memory for the fp32 copy, a slot
+  // buffer or the sampler's padded last tile cannot be allocated.
   static absl::StatusOr<std::unique_ptr<CpuEngine>> Create(
       const Weights& weights, const CpuEngineOptions& options);
   // W already in fp32 [vocab, hidden]; `declared_weight_dtype` is what
@@ -45,7 +47,8 @@ class CpuEngine : public Engine {
   CpuSampler& sampler() { return *sampler_; }
 
  private:
-  CpuEngine(std::unique_ptr<CpuSampler> sampler, EngineInfo info, int slots);
+  CpuEngine(std::unique_ptr<CpuSampler> sampler, EngineInfo info,
+            std::vector<std::vector<float>> slots);
 
   std::unique_ptr<CpuSampler> sampler_;
   EngineInfo info_;

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -97,8 +98,19 @@ absl::StatusOr<std::unique_ptr<CpuSampler>> CpuSampler::Create(
   // only oversubscribe the cores.
   static std::once_flag blas_threads_once;
   std::call_once(blas_threads_once, [] { openblas_set_num_threads(1); });
-  std::unique_ptr<CpuSampler> sampler(
-      new CpuSampler(std::move(weights_fp32), vocab, hidden, options));
+  // The constructor allocates the zero-padded last tile (kTile x hidden
+  // floats) before it starts the pool; no memory for it is a start-up error
+  // with a message, not an uncaught std::bad_alloc.
+  std::unique_ptr<CpuSampler> sampler;
+  try {
+    sampler.reset(
+        new CpuSampler(std::move(weights_fp32), vocab, hidden, options));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "CpuSampler: cannot allocate the padded last tile of W: ",
+        uint64_t{sizeof(float)} * kTile * static_cast<uint64_t>(hidden),
+        " bytes"));
+  }
   if (!sampler->RowBlockIsPositionInvariant()) sampler->row_block_ = 1;
   return sampler;
 }

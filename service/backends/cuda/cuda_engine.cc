@@ -38,6 +38,7 @@
 #include "kernels/controls/controlled_sampler.h"
 #include "kernels/controls/controlled_types.h"
 #include "kernels/sampler/fused_sampler.h"
+#include "kernels/testing/fault_kernel.h"
 #include "kernels/tp/tp_exchange.h"
 #include "kernels/tp/tp_layout.h"
 #include "service/backends/cuda/controlled_rows.h"
@@ -197,6 +198,10 @@ class CudaEngine final : public Engine {
   }
 
   absl::Status Check(cudaError_t error, const char* what);
+  // cudaMalloc of `bytes` on rank `rank`'s device (the current device),
+  // counted in device_bytes_[rank] when it succeeds.
+  absl::Status DeviceMalloc(size_t rank, void** ptr, size_t bytes,
+                            const char* what);
   // Stage 1 over rows [first_row, first_row + rows); `logits` also makes it
   // write the fp32 logits (the materialized path).
   absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples,
@@ -226,6 +231,8 @@ class CudaEngine final : public Engine {
   EngineInfo info_;
   std::vector<Rank> ranks_;
   std::vector<Slot> slots_;
+  // Device memory held per rank (info().shards[r].device_bytes).
+  std::vector<int64_t> device_bytes_;
   size_t element_bytes_ = 2;
   size_t params_bytes_ = 0;  // row params region, 256-byte aligned
   // params region + (max_batch_rows + kHiddenPadRows) x D
@@ -253,6 +260,13 @@ absl::Status CudaEngine::Check(cudaError_t error, const char* what) {
   absl::Status status = CudaToStatus(error, what);
   if (IsFatalDeviceError(status)) broken_.store(true);
   return status;
+}
+
+absl::Status CudaEngine::DeviceMalloc(size_t rank, void** ptr, size_t bytes,
+                                      const char* what) {
+  FS_RETURN_IF_ERROR(Check(cudaMalloc(ptr, bytes), what));
+  device_bytes_[rank] += static_cast<int64_t>(bytes);
+  return absl::OkStatus();
 }
 
 absl::Status CudaEngine::Init() {
@@ -317,6 +331,7 @@ absl::Status CudaEngine::Init() {
     }
     ranks_.push_back(rank);
   }
+  device_bytes_.assign(ranks_.size(), 0);
   // The exchange's view of the same shards, with their tiles in rank 0's
   // candidate buffer: parts equal to the row counts make MakeTpLayout give
   // exactly these rows.
@@ -403,12 +418,13 @@ absl::Status CudaEngine::Init() {
 
   // Weights, once per device.
   const char* host_weights = static_cast<const char*>(weights.data());
-  for (Rank& rank : ranks_) {
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    Rank& rank = ranks_[r];
     FS_RETURN_IF_ERROR(Check(cudaSetDevice(rank.device), "cudaSetDevice"));
     const size_t bytes =
         static_cast<size_t>(rank.rows) * hidden * element_bytes_;
     FS_RETURN_IF_ERROR(
-        Check(cudaMalloc(&rank.weights, bytes), "cudaMalloc(weights)"));
+        DeviceMalloc(r, &rank.weights, bytes, "cudaMalloc(weights)"));
     FS_RETURN_IF_ERROR(
         Check(cudaMemcpy(rank.weights,
                          host_weights + rank.begin * hidden * element_bytes_,
@@ -460,22 +476,19 @@ absl::Status CudaEngine::Init() {
       FS_RETURN_IF_ERROR(Check(
           cudaStreamCreateWithFlags(&slot_rank.stream, cudaStreamNonBlocking),
           "cudaStreamCreate"));
-      FS_RETURN_IF_ERROR(
-          Check(cudaMalloc(&slot_rank.device_input, input_bytes_),
-                "cudaMalloc(input)"));
-      FS_RETURN_IF_ERROR(
-          Check(cudaMalloc(&slot_rank.workspace, workspace_bytes_),
-                "cudaMalloc(workspace)"));
+      FS_RETURN_IF_ERROR(DeviceMalloc(r, &slot_rank.device_input, input_bytes_,
+                                      "cudaMalloc(input)"));
+      FS_RETURN_IF_ERROR(DeviceMalloc(r, &slot_rank.workspace, workspace_bytes_,
+                                      "cudaMalloc(workspace)"));
       FS_RETURN_IF_ERROR(
           Check(cudaMemset(slot_rank.workspace, 0, workspace_bytes_),
                 "cudaMemset(workspace)"));
       if (num_ranks > 1) {
-        FS_RETURN_IF_ERROR(
-            Check(cudaMalloc(reinterpret_cast<void**>(&slot_rank.shard_logits),
-                             sizeof(float) *
-                                 static_cast<size_t>(options_.max_batch_rows) *
-                                 static_cast<size_t>(ranks_[r].rows)),
-                  "cudaMalloc(shard logits)"));
+        FS_RETURN_IF_ERROR(DeviceMalloc(
+            r, reinterpret_cast<void**>(&slot_rank.shard_logits),
+            sizeof(float) * static_cast<size_t>(options_.max_batch_rows) *
+                static_cast<size_t>(ranks_[r].rows),
+            "cudaMalloc(shard logits)"));
         if (r > 0) {
           FS_RETURN_IF_ERROR(
               Check(cudaEventCreateWithFlags(&slot_rank.logits_copied,
@@ -486,32 +499,53 @@ absl::Status CudaEngine::Init() {
     }
     FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
     FS_RETURN_IF_ERROR(
-        Check(cudaMalloc(reinterpret_cast<void**>(&slot.device_tokens),
-                         sizeof(int32_t) * max_tokens),
-              "cudaMalloc(tokens)"));
-    FS_RETURN_IF_ERROR(Check(
-        cudaMalloc(reinterpret_cast<void**>(&slot.logits), batch_logits_bytes),
-        "cudaMalloc(logits)"));
-    FS_RETURN_IF_ERROR(Check(
-        cudaMalloc(&slot.controlled_workspace, controlled_workspace_bytes_),
-        "cudaMalloc(controlled workspace)"));
+        DeviceMalloc(0, reinterpret_cast<void**>(&slot.device_tokens),
+                     sizeof(int32_t) * max_tokens, "cudaMalloc(tokens)"));
+    FS_RETURN_IF_ERROR(DeviceMalloc(0, reinterpret_cast<void**>(&slot.logits),
+                                    batch_logits_bytes, "cudaMalloc(logits)"));
+    FS_RETURN_IF_ERROR(DeviceMalloc(0, &slot.controlled_workspace,
+                                    controlled_workspace_bytes_,
+                                    "cudaMalloc(controlled workspace)"));
     FS_RETURN_IF_ERROR(
         Check(cudaMallocHost(&slot.host_plan, kControlledPlanBudgetBytes),
               "cudaMallocHost(controls)"));
-    FS_RETURN_IF_ERROR(
-        Check(cudaMalloc(&slot.device_plan, kControlledPlanBudgetBytes),
-              "cudaMalloc(controls)"));
+    FS_RETURN_IF_ERROR(DeviceMalloc(0, &slot.device_plan,
+                                    kControlledPlanBudgetBytes,
+                                    "cudaMalloc(controls)"));
     FS_RETURN_IF_ERROR(
         Check(cudaMallocHost(&slot.host_outputs, controlled_output_bytes_),
               "cudaMallocHost(controlled outputs)"));
-    FS_RETURN_IF_ERROR(
-        Check(cudaMalloc(&slot.device_outputs, controlled_output_bytes_),
-              "cudaMalloc(controlled outputs)"));
+    FS_RETURN_IF_ERROR(DeviceMalloc(0, &slot.device_outputs,
+                                    controlled_output_bytes_,
+                                    "cudaMalloc(controlled outputs)"));
     slot.row_bounds.reserve(options_.max_batch_rows);
   }
 
   if (num_ranks > 1) {
+    // The communicators and exchanges allocate inside kernels/tp and NCCL
+    // (ncclMemAlloc windows, NCCL's own buffers): counted as the drop in
+    // each device's free memory while they are made.
+    std::vector<size_t> free_before(num_ranks, 0);
+    for (int r = 0; r < num_ranks; ++r) {
+      size_t total = 0;
+      FS_RETURN_IF_ERROR(
+          Check(cudaSetDevice(ranks_[r].device), "cudaSetDevice"));
+      FS_RETURN_IF_ERROR(
+          Check(cudaMemGetInfo(&free_before[r], &total), "cudaMemGetInfo"));
+    }
     FS_RETURN_IF_ERROR(CreateExchanges());
+    for (int r = 0; r < num_ranks; ++r) {
+      size_t free_after = 0;
+      size_t total = 0;
+      FS_RETURN_IF_ERROR(
+          Check(cudaSetDevice(ranks_[r].device), "cudaSetDevice"));
+      FS_RETURN_IF_ERROR(
+          Check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo"));
+      if (free_after < free_before[r]) {
+        device_bytes_[r] += static_cast<int64_t>(free_before[r] - free_after);
+      }
+    }
+    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
     info_.tp_transport =
         TransportDescription(*slots_[0].exchange, tp_fallback_reason_);
   }
@@ -528,6 +562,7 @@ absl::Status CudaEngine::Init() {
     shard.device = ranks_[r].device;
     shard.vocab_begin = ranks_[r].begin;
     shard.vocab_end = ranks_[r].begin + ranks_[r].rows;
+    shard.device_bytes = device_bytes_[r];
     info_.shards.push_back(shard);
   }
   // Every control: the fused kernel serves temperature and n, the
@@ -901,6 +936,13 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
   }
   if (valid_rows == 0) return absl::OkStatus();
 
+  if (options_.trap_next_batch_for_tests != nullptr &&
+      options_.trap_next_batch_for_tests->exchange(false)) {
+    // Test-only (CudaEngineOptions): the fault an Xid would leave.
+    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+    FS_RETURN_IF_ERROR(
+        Check(LaunchTrapKernel(slot.ranks[0].stream), "LaunchTrapKernel"));
+  }
   const size_t copy_bytes = params_bytes_ + static_cast<size_t>(batch.rows) *
                                                 info_.hidden_size *
                                                 element_bytes_;

@@ -9,6 +9,7 @@
 #ifndef FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CUDA_ENGINE_H_
 #define FLASHSAMPLER_SERVICE_BACKENDS_CUDA_CUDA_ENGINE_H_
 
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -34,6 +35,14 @@ struct CudaEngineOptions {
   // Batches in flight at once, each with its own staging and streams.
   int slots = 2;
   CudaTpTransport tp_transport = CudaTpTransport::kAuto;
+  // Test-only; never set by the daemon. While it points at true, the next
+  // Sample() first launches a kernel that traps (kernels/testing/) on rank
+  // 0's stream and sets it back to false: the CUDA context then holds the
+  // sticky error a device fault (an Xid) leaves, and the tests check that the
+  // batch fails UNAVAILABLE (IsFatalDeviceError), that health turns
+  // NOT_SERVING and that nothing waits forever. The error poisons the
+  // process's CUDA context for good: run such a test in its own process.
+  std::shared_ptr<std::atomic<bool>> trap_next_batch_for_tests;
 };
 
 // Number of usable CUDA devices; 0 when there is no GPU or no driver. Never
@@ -41,10 +50,15 @@ struct CudaEngineOptions {
 int CudaDeviceCount();
 
 // Uploads each rank's shard of `weights` (bf16 or fp16; D a multiple of 64)
-// and allocates every workspace. Errors: INVALID_ARGUMENT for weights or
-// options the backend cannot serve, FAILED_PRECONDITION when ranks lack peer
-// access to rank 0, RESOURCE_EXHAUSTED when device memory runs out,
-// UNAVAILABLE for a device that cannot run at all.
+// and allocates every workspace. info().shards[r].device_bytes is what the
+// engine holds on rank r's device: every cudaMalloc it keeps (weights,
+// inputs, workspaces, token, logits and controlled-path buffers of every
+// slot) at its requested size, plus, tensor parallel, the drop in the
+// device's free memory while the NCCL communicators and candidate exchanges
+// were made (their buffers are allocated inside kernels/tp and NCCL). Errors:
+// INVALID_ARGUMENT for weights or options the backend cannot serve,
+// FAILED_PRECONDITION when ranks lack peer access to rank 0, RESOURCE_EXHAUSTED
+// when device memory runs out, UNAVAILABLE for a device that cannot run at all.
 absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(
     std::shared_ptr<const Weights> weights, const CudaEngineOptions& options);
 

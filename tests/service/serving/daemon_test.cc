@@ -1,7 +1,8 @@
 // The flashsamplerd binary itself: starts on synthetic weights, takes work,
 // gets SIGTERM while that work is in flight, answers what it accepted,
 // refuses what comes later, and exits with status 0; also a second SIGTERM
-// during the drain, SIGTERM while loading, and running out of descriptors.
+// during the drain, SIGTERM while loading, running out of descriptors, and
+// too little memory for the model.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -9,9 +10,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <regex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -366,6 +371,79 @@ TEST(DaemonTest, SigtermDrainsInFlightRequestsAndExitsZero) {
       stub->Sample(&context, testing::MakeRequest(1, kHidden, 1), &response)
           .error_code(),
       grpc::StatusCode::UNAVAILABLE);
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
+// VmPeak of process `pid` in KiB, or 0.
+uint64_t VmPeakKib(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string key;
+  while (status >> key) {
+    if (key == "VmPeak:") {
+      uint64_t kib = 0;
+      status >> kib;
+      return kib;
+    }
+    std::getline(status, key);
+  }
+  return 0;
+}
+
+// Defect: out of memory aborts. A CPU backend whose fp32 copy of W could not
+// be allocated died of an uncaught std::bad_alloc (SIGABRT, no message). Now
+// start-up fails with the buffer named and its size, and the daemon exits 1.
+TEST(DaemonTest, OutOfMemoryAborts) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "a sanitizer's shadow memory does not fit ulimit -v";
+#endif
+  const std::string dir = testing::MakeTempDir();
+  ASSERT_FALSE(dir.empty());
+  const std::vector<std::string> flags = {"--listen_address=127.0.0.1:0",
+                                          "--metrics_port=0", "--backend=cpu",
+                                          "--cpu_threads=1", "--warmup_rows=1"};
+  // One malloc arena and one OpenBLAS thread keep the address space the
+  // daemon needs besides W small and independent of the host's cores
+  // (glibc reserves 64 MiB per arena, up to 8 per core); it is measured on
+  // tiny weights: VmPeak once serving, an upper bound of what start-up needs.
+  const std::string env =
+      "export MALLOC_ARENA_MAX=1 OPENBLAS_NUM_THREADS=1 && exec \"$0\" \"$@\"";
+  const std::string small_log = dir + "/small.log";
+  std::vector<std::string> argv = {
+      "/bin/sh", "-c", env, FS_DAEMON_BIN,
+      "--weights=synthetic:vocab=1000,hidden=16,seed=1"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  const pid_t small = testing::Spawn(argv, small_log);
+  ASSERT_GT(small, 0);
+  ASSERT_GT(WaitForServingPort(small_log), 0)
+      << testing::ReadFileOrEmpty(small_log);
+  const uint64_t baseline_kib = VmPeakKib(small);
+  kill(small, SIGTERM);
+  ExitStatus(small, absl::Seconds(30));
+  ASSERT_GT(baseline_kib, 0u);
+
+  // 65536 x 2048 bf16 is 256 MiB; its fp32 copy 512 MiB. The limit leaves
+  // room for the bf16 tensor and 128 MiB more: the copy cannot fit.
+  const uint64_t limit_kib = baseline_kib + (uint64_t{384} << 10);
+  const std::string log_path = dir + "/daemon.log";
+  argv = {"/bin/sh", "-c", absl::StrCat("ulimit -v ", limit_kib, " && ", env),
+          FS_DAEMON_BIN, "--weights=synthetic:vocab=65536,hidden=2048,seed=1"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  const pid_t pid = testing::Spawn(argv, log_path);
+  ASSERT_GT(pid, 0);
+  const int exit_status = ExitStatus(pid, absl::Seconds(120));
+  const std::string log = testing::ReadFileOrEmpty(log_path);
+  ASSERT_TRUE(WIFEXITED(exit_status))
+      << "status " << exit_status << " (signal "
+      << (WIFSIGNALED(exit_status) ? WTERMSIG(exit_status) : 0) << ")\n"
+      << log;
+  EXPECT_EQ(WEXITSTATUS(exit_status), 1) << log;
+  EXPECT_TRUE(absl::StrContains(
+      log,
+      "startup failed: RESOURCE_EXHAUSTED: CpuEngine: cannot allocate the "
+      "fp32 copy of W [65536, 2048]: 536870912 bytes"))
+      << log;
+  EXPECT_FALSE(absl::StrContains(log, "serving on port")) << log;
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);
 }

@@ -2,13 +2,19 @@
 // small-integer weights (exact logits), with and without sampling controls
 // (the materialized path: tokens, logprobs, top lists and row errors equal
 // the CPU's), two slots in flight, row chunking for many samples and for
-// large control lists, refusals, and tensor parallel over two GPUs with an
-// uneven split giving the same tokens as one GPU (docs/design.md#invariance).
+// large control lists, refusals, tensor parallel over two GPUs with an
+// uneven split giving the same tokens as one GPU (docs/design.md#invariance),
+// a device fault (a trapping kernel, in its own process) and the device
+// memory the engine reports against what the device lost.
 // Every test skips loudly without (enough) GPUs.
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <random>
 #include <string>
@@ -704,6 +710,119 @@ TEST_F(CudaEngineGpuTest, ControlsOverTwoDevicesGiveTheCpuSamplersRows) {
     ExpectEngineEqualsCpu(**engine, **sampler, hidden, specs,
                           c.name + " (two devices)");
   }
+}
+
+// The trap scenario, run in a death-test child: a fresh process, because the
+// sticky error poisons its CUDA context for good. "" when every expectation
+// holds, else the first that did not.
+std::string TrapFailsTheBatchUnavailableAndForGood() {
+  WeightsOptions source;
+  source.source = "synthetic:vocab=1001,hidden=256,seed=7,dtype=bf16";
+  auto loaded = Weights::Load(source);
+  if (!loaded.ok()) return loaded.status().ToString();
+  const std::shared_ptr<const Weights> weights(std::move(*loaded));
+  CudaEngineOptions options;
+  options.devices = {0};
+  options.max_batch_rows = 16;
+  options.trap_next_batch_for_tests = std::make_shared<std::atomic<bool>>();
+  auto engine = CreateCudaEngine(weights, options);
+  if (!engine.ok()) return engine.status().ToString();
+  Batch batch = MakeBatch(16, 256, 901, 4);
+  Stage(**engine, 0, batch);
+  Stage(**engine, 1, batch);
+  std::vector<RowResult> results;
+  const absl::Status healthy =
+      (*engine)->Sample(BatchView{0, 16, batch.specs.data()}, &results);
+  if (!healthy.ok()) return "before the trap: " + healthy.ToString();
+
+  options.trap_next_batch_for_tests->store(true);
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status trapped =
+      (*engine)->Sample(BatchView{0, 16, batch.specs.data()}, &results);
+  if (options.trap_next_batch_for_tests->load()) return "switch not cleared";
+  if (!absl::IsUnavailable(trapped) || !IsFatalDeviceError(trapped)) {
+    return "trapped batch: not a fatal UNAVAILABLE: " + trapped.ToString();
+  }
+  if (trapped.message().find("cudaErrorLaunchFailure") == std::string::npos &&
+      trapped.message().find("cudaErrorIllegalInstruction") ==
+          std::string::npos) {
+    return "trapped batch: not the trap's sticky error: " + trapped.ToString();
+  }
+  // Every later batch, on either slot, fails at once the same way.
+  const absl::Status later =
+      (*engine)->Sample(BatchView{1, 16, batch.specs.data()}, &results);
+  if (!absl::IsUnavailable(later) || !IsFatalDeviceError(later)) {
+    return "later batch: " + later.ToString();
+  }
+  // Tearing down a dead engine waits for nothing either.
+  engine->reset();
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  if (elapsed > std::chrono::seconds(10)) {
+    return "the fault, a later batch and the teardown took " +
+           std::to_string(
+               std::chrono::duration_cast<std::chrono::milliseconds>(elapsed)
+                   .count()) +
+           " ms";
+  }
+  return "";
+}
+
+// A kernel that traps (the sticky error an Xid leaves) fails its batch with
+// a fatal UNAVAILABLE, every later batch too, and nothing hangs.
+TEST_F(CudaEngineGpuTest, AKernelThatTrapsFailsTheBatchUnavailableAndForGood) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        const std::string failure = TrapFailsTheBatchUnavailableAndForGood();
+        std::fprintf(stderr, "trap scenario: %s\n",
+                     failure.empty() ? "held" : failure.c_str());
+        _exit(failure.empty() ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "trap scenario: held");
+}
+
+// Defect: the device memory gauge counted the weight shard only, not the
+// slots' inputs, workspaces and fp32 logits buffers (at V = 151936 and 256
+// rows, 156 MB per slot for the logits alone). The engine's count must
+// match what the device lost while it was made.
+TEST_F(CudaEngineGpuTest, DeviceMemoryGaugeCountedOnlyTheWeights) {
+  constexpr int64_t kVocab = 151936;
+  constexpr int64_t kHidden = 1024;
+  auto weights =
+      LoadSynthetic("synthetic:vocab=151936,hidden=1024,seed=3,dtype=bf16");
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  FS_ASSERT_CUDA(cudaSetDevice(0));
+  FS_ASSERT_CUDA(cudaFree(nullptr));  // the context exists before we measure
+  FS_ASSERT_CUDA(cudaDeviceSynchronize());
+  size_t free_before = 0;
+  size_t total = 0;
+  FS_ASSERT_CUDA(cudaMemGetInfo(&free_before, &total));
+  CudaEngineOptions options;
+  options.devices = {0};
+  options.max_batch_rows = 256;
+  options.slots = 2;
+  auto engine = CreateCudaEngine(*weights, options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  FS_ASSERT_CUDA(cudaSetDevice(0));
+  size_t free_after = 0;
+  FS_ASSERT_CUDA(cudaMemGetInfo(&free_after, &total));
+  const int64_t drop =
+      static_cast<int64_t>(free_before) - static_cast<int64_t>(free_after);
+  ASSERT_EQ((*engine)->info().shards.size(), 1u);
+  const int64_t reported = (*engine)->info().shards[0].device_bytes;
+  const int64_t weight_bytes = kVocab * kHidden * 2;
+  const int64_t logits_bytes = 2 * 256 * kVocab * 4;  // two slots' [B, V]
+  EXPECT_GE(reported, weight_bytes + logits_bytes);
+  // What the device lost also holds cudaMalloc's rounding (2 MiB pages for
+  // large allocations, ~20 of them here) and the kernels' code, loaded at
+  // first use (the start-up self-checks); 64 MiB or 2% covers those, while a
+  // missed slot buffer (the logits: 156 MB) does not fit in it.
+  const int64_t tolerance = std::max<int64_t>(int64_t{64} << 20, reported / 50);
+  EXPECT_NEAR(static_cast<double>(drop), static_cast<double>(reported),
+              static_cast<double>(tolerance))
+      << "device lost " << drop << " bytes, engine reports " << reported;
+  std::fprintf(stderr, "device memory: lost %lld bytes, reported %lld\n",
+               static_cast<long long>(drop), static_cast<long long>(reported));
 }
 
 }  // namespace
