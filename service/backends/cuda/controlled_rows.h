@@ -43,7 +43,8 @@ constexpr size_t kControlledPlanBudgetBytes = size_t{16} << 20;
 constexpr size_t kControlledPlanLayoutSlack = 6 * 256;
 
 // The RowResult::exact_fallback label of rows sampled over materialized
-// logits (flashsampler_exact_fallback_rows_total{reason="materialized_logits"}).
+// logits
+// (flashsampler_exact_fallback_rows_total{reason="materialized_logits"}).
 inline constexpr char kMaterializedLogitsFallback[] = "materialized_logits";
 
 // True when the row uses a control beyond temperature and n: the fused
