@@ -73,6 +73,8 @@ if [[ $mode == tests || $mode == all ]]; then
   run_test fused_sampler_gpu_test
   run_test cuda_engine_gpu_test
   run_test controlled_sampler_gpu_test
+  # A trapping kernel poisons its process: this one runs alone.
+  run_test cuda_fault_gpu_test
   if command -v compute-sanitizer >/dev/null; then
     small='*SanitizerSmallCase*:*ReduceCandidates*:*SplitLastRound*'
     run_sanitizer memcheck fused_sampler_gpu_test "$small"
