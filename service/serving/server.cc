@@ -525,10 +525,6 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
       GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
       ToMillis(keepalive.min_client_ping_interval));
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  // A request of 256 rows is 2 MB (bf16, D = 4096) to 8 MB (fp32, D = 8192);
-  // with HTTP/2's default 64 KB stream window it crosses loopback in dozens
-  // of window updates. Offer a window that takes the largest one at once.
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 8 << 20);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat(
