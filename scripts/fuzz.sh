@@ -14,7 +14,7 @@ seconds=${1:-60}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(request_codec safetensors stream_framing)
+  targets=(request_codec safetensors stream_framing metrics_http)
 fi
 build_dir=${FS_FUZZ_BUILD_DIR:-build-fuzz}
 CC=${CC:-clang} CXX=${CXX:-clang++} cmake -S . -B "$build_dir" \
