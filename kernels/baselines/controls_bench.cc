@@ -4,7 +4,7 @@
 // logits (FusedSampleParams::logits_out) and the exact controlled sampler
 // (kernels/controls/) runs over them. The unfused baseline is cuBLAS's GEMM
 // with fp32 logits and the same exact sampler. Median of --iters calls after
-// --warmup calls, L2 flushed before each (bench_timer.h). Writes
+// --warmup calls, L2 flushed before each (bench_common.h). Writes
 // results_controls.csv into --out and prints one table.
 //
 //   fs_controls_bench --out DIR [--configs qwen,llama]
@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "kernels/baselines/baselines.h"
-#include "kernels/baselines/bench_timer.h"
+#include "kernels/baselines/bench_common.h"
 #include "kernels/controls/controlled_plan.h"
 #include "kernels/controls/controlled_sampler.h"
 #include "kernels/sampler/fused_sampler.h"
@@ -50,19 +50,6 @@ struct ModelConfig {
   float scale;  // as fs_bench: inputs uniform in [-scale, scale)
 };
 
-std::vector<std::string> Split(const std::string& text) {
-  std::vector<std::string> parts;
-  size_t begin = 0;
-  while (begin <= text.size()) {
-    const size_t end = text.find(',', begin);
-    const size_t stop = end == std::string::npos ? text.size() : end;
-    if (stop > begin) parts.push_back(text.substr(begin, stop - begin));
-    if (end == std::string::npos) break;
-    begin = end + 1;
-  }
-  return parts;
-}
-
 bool ParseOptions(int argc, char** argv, Options* options) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -70,10 +57,10 @@ bool ParseOptions(int argc, char** argv, Options* options) {
     if (flag == "--out") {
       options->out_dir = value;
     } else if (flag == "--configs") {
-      options->configs = Split(value);
+      options->configs = SplitCommas(value);
     } else if (flag == "--batches") {
       options->batches.clear();
-      for (const std::string& b : Split(value)) {
+      for (const std::string& b : SplitCommas(value)) {
         options->batches.push_back(std::atoi(b.c_str()));
       }
     } else if (flag == "--iters") {

@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "kernels/baselines/baselines.h"
-#include "kernels/baselines/bench_timer.h"
+#include "kernels/baselines/bench_common.h"
 #include "kernels/sampler/fused_sampler.h"
 
 namespace flashsampler {
@@ -67,19 +67,6 @@ struct Options {
   int timeline_calls = 0;
 };
 
-std::vector<std::string> Split(const std::string& text) {
-  std::vector<std::string> parts;
-  size_t begin = 0;
-  while (begin <= text.size()) {
-    const size_t end = text.find(',', begin);
-    const size_t stop = end == std::string::npos ? text.size() : end;
-    if (stop > begin) parts.push_back(text.substr(begin, stop - begin));
-    if (end == std::string::npos) break;
-    begin = end + 1;
-  }
-  return parts;
-}
-
 bool ParseOptions(int argc, char** argv, Options* options) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -92,10 +79,10 @@ bool ParseOptions(int argc, char** argv, Options* options) {
     if (arg == "--out" && value(&text)) {
       options->out_dir = text;
     } else if (arg == "--configs" && value(&text)) {
-      options->configs = Split(text);
+      options->configs = SplitCommas(text);
     } else if (arg == "--batches" && value(&text)) {
       options->batches.clear();
-      for (const std::string& b : Split(text)) {
+      for (const std::string& b : SplitCommas(text)) {
         options->batches.push_back(std::atoi(b.c_str()));
       }
     } else if (arg == "--iters" && value(&text)) {
@@ -112,7 +99,7 @@ bool ParseOptions(int argc, char** argv, Options* options) {
         return false;
       }
     } else if (arg == "--ab" && value(&text)) {
-      options->ab_variants = Split(text);
+      options->ab_variants = SplitCommas(text);
     } else if (arg == "--timeline" && value(&text)) {
       options->timeline_calls = std::atoi(text.c_str());
     } else if (arg == "--no-sweep") {

@@ -1,18 +1,33 @@
-// The benchmarks' timer: CUDA events around each call, L2 flushed (a memset
-// of twice the L2) before every call, median and percentiles of the calls,
-// and two methods timed call for call alternately when their ratio matters.
-// Shared by fs_bench and fs_controls_bench so that both time alike.
-#ifndef FLASHSAMPLER_KERNELS_BASELINES_BENCH_TIMER_H_
-#define FLASHSAMPLER_KERNELS_BASELINES_BENCH_TIMER_H_
+// What fs_bench and fs_controls_bench share, so that both time alike: the
+// timer (CUDA events around each call, L2 flushed by a memset of twice the
+// L2 before every call, median and percentiles, two methods timed call for
+// call alternately when their ratio matters) and their flag-list parsing.
+#ifndef FLASHSAMPLER_KERNELS_BASELINES_BENCH_COMMON_H_
+#define FLASHSAMPLER_KERNELS_BASELINES_BENCH_COMMON_H_
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace flashsampler {
+
+// "1,16,64" -> {"1", "16", "64"}; empty items are dropped.
+inline std::vector<std::string> SplitCommas(const std::string& text) {
+  std::vector<std::string> parts;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    const size_t end = text.find(',', begin);
+    const size_t stop = end == std::string::npos ? text.size() : end;
+    if (stop > begin) parts.push_back(text.substr(begin, stop - begin));
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return parts;
+}
 
 // In a function returning bool: prints the failed call and returns false.
 #define BENCH_CHECK(expr)                                                \
@@ -135,4 +150,4 @@ class Timer {
 
 }  // namespace flashsampler
 
-#endif  // FLASHSAMPLER_KERNELS_BASELINES_BENCH_TIMER_H_
+#endif  // FLASHSAMPLER_KERNELS_BASELINES_BENCH_COMMON_H_
