@@ -318,10 +318,10 @@ std::vector<Batcher::Completion> Batcher::RunBatch(
       }
     }
   }
-  // UNAVAILABLE from the engine means the device is gone (DESIGN.md): stop
-  // sending it work, fail what waits, and flip health, all before this
-  // batch's callers hear back, so a caller that sees UNAVAILABLE also sees
-  // NOT_SERVING.
+  // UNAVAILABLE from the engine means the device is gone
+  // (docs/design.md#errors): stop sending it work, fail what waits, and flip
+  // health, all before this batch's callers hear back, so a caller that sees
+  // UNAVAILABLE also sees NOT_SERVING.
   if (absl::IsUnavailable(status)) FailAll(status);
 
   int offset = 0;
