@@ -1,6 +1,7 @@
-// Shared pieces of the controlled-sampler tests: SamplingParams -> plain
-// packer input, exact small-integer logits from the CPU sampler, the batches
-// of mixed controls every test sweeps, and the comparison with RowResult.
+// Shared pieces of the controlled-sampler tests: batches packed the way the
+// CUDA engine packs them (ControlledInputFrom), exact small-integer logits from
+// the CPU sampler, the batches of mixed controls every test sweeps, and the
+// comparison with RowResult.
 #ifndef FLASHSAMPLER_TESTS_KERNELS_CONTROLS_CONTROLLED_TEST_UTIL_H_
 #define FLASHSAMPLER_TESTS_KERNELS_CONTROLS_CONTROLLED_TEST_UTIL_H_
 
@@ -16,68 +17,17 @@
 #include "kernels/controls/controlled_plan.h"
 #include "kernels/controls/controlled_types.h"
 #include "service/backends/cpu/cpu_sampler.h"
+#include "service/backends/cuda/controlled_rows.h"
 #include "service/backends/sampling_params.h"
 
 namespace flashsampler {
 namespace testing_controls {
 
-// Owns the flattened lists a ControlledRowInput points into.
-struct RowLists {
-  std::vector<int32_t> bias_ids;
-  std::vector<float> bias_values;
-  std::vector<int32_t> output_ids;
-  std::vector<int32_t> output_counts;
-};
-
-// What the CUDA engine does per row (controlled_rows.cc
-// ControlledInputFrom): SamplingParams + RowSpec -> plain input; greedy rows
-// (SamplingParams::greedy(), tiny temperatures included) get temperature 0.
-inline ControlledRowInput InputFrom(const RowSpec& spec, RowLists* lists) {
-  const SamplingParams& p = *spec.params;
-  ControlledRowInput in;
-  in.temperature = p.greedy() ? 0.0f : p.temperature;
-  in.top_k = p.top_k;
-  in.top_p = p.top_p;
-  in.min_p = p.min_p;
-  in.repetition_penalty = p.repetition_penalty;
-  in.presence_penalty = p.presence_penalty;
-  in.frequency_penalty = p.frequency_penalty;
-  for (const TokenBias& b : p.logit_bias) {
-    lists->bias_ids.push_back(b.token_id);
-    lists->bias_values.push_back(b.bias);
-  }
-  in.bias_ids = lists->bias_ids.data();
-  in.bias_values = lists->bias_values.data();
-  in.num_bias = lists->bias_ids.size();
-  in.banned_ids = p.banned_token_ids.data();
-  in.num_banned = p.banned_token_ids.size();
-  in.prompt_ids = p.prompt_token_ids.data();
-  in.num_prompt = p.prompt_token_ids.size();
-  for (const TokenCount& tc : p.output_token_counts) {
-    lists->output_ids.push_back(tc.token_id);
-    lists->output_counts.push_back(tc.count);
-  }
-  in.output_ids = lists->output_ids.data();
-  in.output_counts = lists->output_counts.data();
-  in.num_output = lists->output_ids.size();
-  in.allowed_bitmask =
-      p.allowed_bitmask.empty() ? nullptr : p.allowed_bitmask.data();
-  in.bitmask_words = p.allowed_bitmask.size();
-  in.n = p.n;
-  in.top_n = p.logprobs.top_n;
-  in.logprob_flags = (p.logprobs.sampled ? kLogprobSampled : 0u) |
-                     (p.logprobs.logsumexp ? kLogprobLogsumexp : 0u) |
-                     (p.logprobs.raw ? kLogprobRaw : 0u);
-  in.seed = spec.seed;
-  in.step = spec.step;
-  return in;
-}
-
 inline ControlledPlan PlanOf(const std::vector<RowSpec>& specs) {
   ControlledPlan plan;
   for (const RowSpec& spec : specs) {
-    RowLists lists;
-    plan.AddRow(InputFrom(spec, &lists));
+    ControlledRowLists lists;
+    plan.AddRow(ControlledInputFrom(spec, &lists));
   }
   return plan;
 }

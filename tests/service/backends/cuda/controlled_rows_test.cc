@@ -176,9 +176,10 @@ TEST(ControlledRowsTest, TopKMinusOneIsOff) {
   EXPECT_FALSE(ValidateCudaRow(p, kVocab).ok());
 }
 
-// The engine's conversion packs byte for byte what the controlled
-// sampler's tests pack (tests/kernels/controls/controlled_test_util.h),
-// for every case they sweep, with one reused ControlledRowLists.
+// One ControlledRowLists reused over rows and rounds packs byte for byte
+// what fresh lists per row pack (tests/kernels/controls/
+// controlled_test_util.h's PlanOf), for every case the controlled sampler's
+// tests sweep.
 TEST(ControlledRowsTest, ConversionPacksWhatTheControlledSamplerTestsPack) {
   const std::vector<testing_controls::Case> cases =
       testing_controls::Cases(kVocab);
