@@ -303,18 +303,14 @@ void EmulationEqualsCpu(int64_t vocab, int rows_per_case) {
       testing_controls::MakeModel(vocab, kHidden, 11);
   ASSERT_NE(model.sampler, nullptr);
   for (const testing_controls::Case& c : testing_controls::Cases(vocab)) {
-    const int rows =
-        std::max<int>(rows_per_case, static_cast<int>(c.params.size()));
-    const std::vector<RowSpec> specs =
-        testing_controls::Specs(c, rows, vocab * 31 + rows);
-    const std::vector<float> hidden =
-        testing_controls::MakeHidden(rows, kHidden, vocab + 7, c.flat_rows);
-    std::vector<float> logits(static_cast<size_t>(rows) * vocab);
-    ASSERT_TRUE(
-        model.sampler->ComputeLogits(hidden.data(), rows, logits.data()).ok());
-    std::vector<RowResult> cpu;
-    (void)model.sampler->Sample(hidden.data(), rows, specs.data(), &cpu);
-    const ControlledPlan plan = testing_controls::PlanOf(specs);
+    testing_controls::CaseBatch batch;
+    testing_controls::PrepareCase(model, c, rows_per_case, &batch);
+    if (::testing::Test::HasFatalFailure()) return;
+    const int rows = batch.rows;
+    const std::vector<RowSpec>& specs = batch.specs;
+    const std::vector<float>& logits = batch.logits;
+    const std::vector<RowResult>& cpu = batch.cpu;
+    const ControlledPlan& plan = batch.plan;
     int sampled_rows = 0;
     for (int r = 0; r < rows; ++r) {
       sampled_rows += cpu[r].error.empty() ? 1 : 0;

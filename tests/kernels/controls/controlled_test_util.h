@@ -5,6 +5,7 @@
 #ifndef FLASHSAMPLER_TESTS_KERNELS_CONTROLS_CONTROLLED_TEST_UTIL_H_
 #define FLASHSAMPLER_TESTS_KERNELS_CONTROLS_CONTROLLED_TEST_UTIL_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -356,6 +357,34 @@ inline void ExpectRowEqual(const RowResult& cpu, int32_t status,
           << cpu.top_logprobs[t];
     }
   }
+}
+
+// One case's batch, as every controlled-sampler test runs it: at least
+// rows_per_case rows (one per parameter set), exact small-integer logits and
+// the CPU sampler's results for them, and the batch packed as the engine
+// packs it. `c` must outlive the batch (the specs point into it).
+struct CaseBatch {
+  int rows = 0;
+  std::vector<RowSpec> specs;
+  std::vector<float> logits;  // [rows, vocab]
+  std::vector<RowResult> cpu;
+  ControlledPlan plan;
+};
+
+inline void PrepareCase(const Model& model, const Case& c, int rows_per_case,
+                        CaseBatch* out) {
+  out->rows = std::max<int>(rows_per_case, static_cast<int>(c.params.size()));
+  out->specs = Specs(c, out->rows, model.vocab * 31 + out->rows);
+  const std::vector<float> hidden =
+      MakeHidden(out->rows, model.hidden, model.vocab + 7, c.flat_rows);
+  out->logits.assign(static_cast<size_t>(out->rows) * model.vocab, 0.0f);
+  ASSERT_TRUE(
+      model.sampler->ComputeLogits(hidden.data(), out->rows, out->logits.data())
+          .ok());
+  // Rows that fail (every token masked) fail here too; the tests compare.
+  (void)model.sampler->Sample(hidden.data(), out->rows, out->specs.data(),
+                              &out->cpu);
+  out->plan = PlanOf(out->specs);
 }
 
 }  // namespace testing_controls
