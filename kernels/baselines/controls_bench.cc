@@ -192,6 +192,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   int32_t* out_top_count = nullptr;
   int32_t* out_status = nullptr;
   int32_t* out_error_token = nullptr;
+  int32_t* out_certified = nullptr;
   constexpr size_t kPlanBytes = 64u << 20;
   constexpr int kMaxTopN = 8;
   const size_t fused_workspace_bytes =
@@ -219,6 +220,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   BENCH_CHECK(cudaMalloc(&out_top_count, sizeof(int32_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&out_status, sizeof(int32_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&out_error_token, sizeof(int32_t) * max_batch));
+  BENCH_CHECK(cudaMalloc(&out_certified, sizeof(int32_t) * max_batch));
   BENCH_CHECK(LaunchFillUniform(weights, vocab * hidden, DType::kBf16, 0x1234,
                                 config.scale, stream));
   BENCH_CHECK(LaunchFillUniform(flat, static_cast<int64_t>(max_batch) * hidden,
@@ -302,6 +304,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     struct Result {
       std::string method;
       Stats stats;
+      double fallback = -1.0;  // rows the full passes sampled, < 0: n/a
     };
     std::vector<Result> results;
     auto time = [&](const std::string& name,
@@ -312,6 +315,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       return true;
     };
     if (!time("fused_plain", [&] { return fused(peaked, batch, nullptr); }) ||
+        !time("fused_logits_out",
+              [&] { return fused(peaked, batch, logits); }) ||
         !time("cublas_only", [&] {
           return CublasLogits(cublas, weights, peaked, DType::kBf16, vocab,
                               hidden, batch, logits, DType::kBf16, stream);
@@ -339,6 +344,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       params.top_count = out_top_count;
       params.status = out_status;
       params.error_token = out_error_token;
+      params.certified = out_certified;
       if (params.max_samples > 1 || params.max_top_n > kMaxTopN) {
         std::fprintf(stderr, "fs_controls_bench: outputs too small\n");
         return false;
@@ -348,17 +354,34 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         return LaunchControlledSample(params, controlled_workspace,
                                       controlled_workspace_bytes, stream);
       };
+      // The share of rows the candidate path could not certify, as the last
+      // timed call left it.
+      auto record_fallback = [&] {
+        std::vector<int32_t> certified(batch);
+        if (cudaMemcpy(certified.data(), out_certified, sizeof(int32_t) * batch,
+                       cudaMemcpyDeviceToHost) != cudaSuccess) {
+          return false;
+        }
+        int full = 0;
+        for (int32_t v : certified) full += v == 0;
+        results.back().fallback = static_cast<double>(full) / batch;
+        return true;
+      };
       if (!time("fused_" + controls.name,
                 [&] {
                   const cudaError_t error = fused(h, batch, logits);
                   return error != cudaSuccess ? error : sample();
                 }) ||
-          !time("cublas_" + controls.name, [&] {
-            const cudaError_t error =
-                CublasLogits(cublas, weights, h, DType::kBf16, vocab, hidden,
-                             batch, logits, DType::kFp32, stream);
-            return error != cudaSuccess ? error : sample();
-          })) {
+          !record_fallback() ||
+          !time("sampler_only_" + controls.name, sample) ||
+          !time("cublas_" + controls.name,
+                [&] {
+                  const cudaError_t error =
+                      CublasLogits(cublas, weights, h, DType::kBf16, vocab,
+                                   hidden, batch, logits, DType::kFp32, stream);
+                  return error != cudaSuccess ? error : sample();
+                }) ||
+          !record_fallback()) {
         return false;
       }
       // Every row must have sampled: a failed row would time nothing.
@@ -375,13 +398,21 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     }
     const double plain = results[0].stats.median_us;
     for (const Result& r : results) {
-      std::fprintf(csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.4f\n",
+      std::string fallback;
+      if (r.fallback >= 0.0) {
+        char text[32];
+        std::snprintf(text, sizeof(text), "%.4f", r.fallback);
+        fallback = text;
+      }
+      std::fprintf(csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.4f,%s\n",
                    config.name.c_str(), static_cast<long long>(vocab), hidden,
                    batch, r.method.c_str(), r.stats.median_us, r.stats.p10_us,
-                   r.stats.p90_us, r.stats.median_us / plain);
-      std::printf("[%s] B=%3d %-34s %9.1f us  %6.3fx fused_plain\n",
+                   r.stats.p90_us, r.stats.median_us / plain, fallback.c_str());
+      std::printf("[%s] B=%3d %-34s %9.1f us  %6.3fx fused_plain%s%s\n",
                   config.name.c_str(), batch, r.method.c_str(),
-                  r.stats.median_us, r.stats.median_us / plain);
+                  r.stats.median_us, r.stats.median_us / plain,
+                  fallback.empty() ? "" : "  full-pass rows ",
+                  fallback.c_str());
     }
     std::fflush(csv);
     std::fflush(stdout);
@@ -393,7 +424,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         controlled_workspace, plan_bytes, static_cast<void*>(out_tokens),
         static_cast<void*>(out_logprobs), static_cast<void*>(out_top_ids),
         static_cast<void*>(out_top_logprobs), static_cast<void*>(out_top_count),
-        static_cast<void*>(out_status), static_cast<void*>(out_error_token)}) {
+        static_cast<void*>(out_status), static_cast<void*>(out_error_token),
+        static_cast<void*>(out_certified)}) {
     BENCH_CHECK(cudaFree(pointer));
   }
   return true;
@@ -428,7 +460,7 @@ bool Main(int argc, char** argv) {
               options.iters, options.warmup);
   std::fprintf(csv,
                "config,vocab,hidden,batch,method,median_us,p10_us,p90_us,"
-               "over_fused_plain\n");
+               "over_fused_plain,full_pass_rows\n");
   const std::vector<ModelConfig> known = {
       {"qwen", 151936, 4096, 0.35f},
       {"llama", 128256, 8192, 0.29f},

@@ -5,6 +5,7 @@
 // of the row's logits and controls.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/controls/controlled_math.h"
@@ -230,9 +231,11 @@ __device__ void FailRow(const ControlledSampleParams& p, int r, int32_t status,
 
 __global__ void __launch_bounds__(kThreads)
     ControlledSampleKernel(const ControlledSampleParams p,
-                           float* __restrict__ x_all) {
+                           float* __restrict__ x_all,
+                           const int32_t* __restrict__ done) {
   __shared__ SharedState sh;
   const int r = blockIdx.x;
+  if (done[r] != 0) return;  // the candidate path sampled this row
   const int tid = threadIdx.x;
   const ControlledRow c = p.row_controls[r];
   const int32_t vocab = static_cast<int32_t>(p.vocab);
@@ -504,6 +507,889 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---------------------------------------------------------------------------
+// The candidate path: most rows' survivors lie among a few hundred of the
+// row's highest logits, so two small kernels sample them without the full
+// passes above. The chunk kernel cuts the row into fixed 2048-token chunks
+// (fixed, so the result does not depend on the batch) and writes up to 64 of
+// each chunk's highest raw logits (eligible tokens: allowed, no per-token
+// entry) with a bound on the rest. The merge kernel keeps every written id
+// above the highest bound of a truncated chunk (the region: every eligible
+// token above that bound is in it), adds the row's entries with their exact
+// processed values, sorts the few it needs and decides top_k, min_p, top_p,
+// the samples and the logprobs from them only where it can prove the full
+// passes would decide the same: cuts strictly above the region's bound, and
+// top-p targets that give one cut for every total mass the unseen tokens
+// allow. A row it cannot certify leaves `done` unset and the full passes
+// sample it.
+
+constexpr int kChunkTokens = 2048;
+constexpr int kChunkThreads = 256;
+constexpr int kChunkPerThread = kChunkTokens / kChunkThreads;
+constexpr int kChunkWarps = kChunkThreads / 32;
+constexpr int kChunkCandidates = 64;
+// Distance bins below a maximum, 1/8 of a logit wide; the last bin takes
+// everything further. Binning by distance (not by the key's top bits, where
+// most logits share a handful of bins) keeps shared-memory atomics apart.
+constexpr int kDistanceBins = 256;
+constexpr float kBinsPerLogit = 8.0f;
+// The merge kernel's candidates per thread (registers): rows of up to
+// 512 x 16 / 64 = 128 chunks (V <= 262144) take the candidate path.
+constexpr int kMergeSlotsPerThread = 16;
+// The row's per-token entries the merge kernel holds; rows with more take
+// the full passes.
+constexpr int kMergeEntryRoom = 2048;
+// The most candidates the merge kernel sorts (the top_k / top_p prefix).
+constexpr int kMergeSortCapacity = 2048;
+
+constexpr int32_t kChunkTruncated = 1;  // eligible tokens were left out
+constexpr int32_t kChunkNonFinite = 2;  // a raw logit is not finite
+
+struct ChunkSummary {
+  // Every eligible token left out has OrderKey(raw) <= boundary (truncated
+  // chunks only).
+  uint32_t boundary;
+  int32_t written;  // candidates written, <= kChunkCandidates
+  int32_t flags;    // kChunk* bits
+  float raw_max;    // max raw logit over allowed, unbanned tokens
+  double raw_sum;   // sum exp(raw - raw_max) over them (raw logprobs only)
+  // sum exp(x - x(boundary)) over the eligible tokens left out, x the
+  // processed logit, in float (top_p rows without top_k only): bounds the
+  // mass the merge cannot see.
+  double tail_sum;
+};
+
+struct CandidateWorkspace {
+  int chunks;               // chunks per row
+  ChunkSummary* summaries;  // [rows, chunks]
+  int32_t* ids;             // [rows, chunks, kChunkCandidates]
+  float* raws;              // [rows, chunks, kChunkCandidates] raw logits
+  int32_t* done;            // [rows] 1 = sampled by the merge
+};
+
+__device__ bool WantsLogprobs(const ControlledRow& c) {
+  return (c.logprob_flags & (kLogprobSampled | kLogprobLogsumexp)) != 0 ||
+         c.top_n > 0;
+}
+
+__device__ float RowInverseTemperature(const ControlledRow& c) {
+  return c.temperature == 0.0f ? 1.0f : FS_FDIV(1.0f, c.temperature);
+}
+
+// The distance bin of `v` below `top` (v <= top): never decreasing as v
+// decreases, so a bin's members all rank below the bins before it.
+__device__ int DistanceBin(float top, float v) {
+  const float d = FS_FMUL(FS_FSUB(top, v), kBinsPerLogit);
+  return d < static_cast<float>(kDistanceBins - 1) ? static_cast<int>(d)
+                                                   : kDistanceBins - 1;
+}
+
+// Exclusive position of this thread's `count` items in thread order, and the
+// block's total in `*total`. Every thread calls it.
+template <int kBlockWarps>
+__device__ int BlockExclusiveScan(int count, int* warp_slots, int* total) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  int inclusive = count;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += up;
+  }
+  __syncthreads();  // earlier readers of warp_slots are done
+  if (lane == 31) warp_slots[warp] = inclusive;
+  __syncthreads();
+  int before = 0;
+  int all = 0;
+  for (int w = 0; w < kBlockWarps; ++w) {
+    if (w < warp) before += warp_slots[w];
+    all += warp_slots[w];
+  }
+  *total = all;
+  return before + inclusive - count;
+}
+
+template <int kBlockWarps, typename T, typename Op>
+__device__ T SmallBlockReduce(T value, Op op, T* warp_slots) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) warp_slots[threadIdx.x >> 5] = value;
+  __syncthreads();
+  T result = warp_slots[0];
+  for (int w = 1; w < kBlockWarps; ++w) result = op(result, warp_slots[w]);
+  return result;
+}
+
+__global__ void __launch_bounds__(kChunkThreads)
+    CandidateChunkKernel(const ControlledSampleParams p, CandidateWorkspace w) {
+  __shared__ uint32_t special_bits[kChunkTokens / 32];
+  __shared__ uint32_t banned_bits[kChunkTokens / 32];
+  __shared__ uint32_t warp_hist[kChunkWarps][kDistanceBins];
+  __shared__ int warp_slots[kChunkWarps];
+  __shared__ unsigned long long u64_slots[kChunkWarps];
+  __shared__ double double_slots[kChunkWarps];
+  __shared__ int64_t first_entry;
+  __shared__ int cut_bin;
+  __shared__ uint32_t boundary_key;
+  __shared__ int non_finite;
+
+  const int chunk = blockIdx.x;
+  const int r = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const ControlledRow c = p.row_controls[r];
+  const int32_t vocab = static_cast<int32_t>(p.vocab);
+  const int32_t begin = chunk * kChunkTokens;
+  const int32_t end = min(vocab, begin + kChunkTokens);
+  const float* __restrict__ z = p.logits + r * p.logits_row_stride;
+  const int64_t slot = static_cast<int64_t>(r) * w.chunks + chunk;
+
+  for (int i = tid; i < kChunkTokens / 32; i += kChunkThreads) {
+    special_bits[i] = 0u;
+    banned_bits[i] = 0u;
+  }
+  for (int i = tid; i < kChunkWarps * kDistanceBins; i += kChunkThreads)
+    (&warp_hist[0][0])[i] = 0u;
+  if (tid == 0) {
+    // The row's first entry at or after `begin` (ids ascending).
+    int64_t lo = c.special_begin;
+    int64_t hi = c.special_end;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (p.special_ids[mid] < begin) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    first_entry = lo;
+    non_finite = 0;
+    cut_bin = kDistanceBins;
+    boundary_key = 0u;
+  }
+  __syncthreads();
+  for (int64_t k = first_entry + tid; k < c.special_end; k += kChunkThreads) {
+    const int32_t id = p.special_ids[k];
+    if (id >= end) break;  // ascending: the later entries are beyond too
+    const int32_t off = id - begin;
+    atomicOr(&special_bits[off >> 5], 1u << (off & 31));
+    if (p.special_flags[k] & controls::kSpecialBanned)
+      atomicOr(&banned_bits[off >> 5], 1u << (off & 31));
+  }
+  __syncthreads();
+
+  const uint32_t* bitmask =
+      c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
+  const float inv_t = RowInverseTemperature(c);
+  // keys[j]: OrderKey of an eligible token's raw logit, 0 otherwise (finite
+  // values' keys are >= 0x00800000). raws[j]: raw logit of an allowed,
+  // unbanned token, -inf otherwise.
+  uint32_t keys[kChunkPerThread];
+  float raws[kChunkPerThread];
+  float raw_max = controls::kNegInf;
+  uint32_t key_max = 0u;
+  int eligible = 0;
+#pragma unroll
+  for (int j = 0; j < kChunkPerThread; ++j) {
+    const int32_t i = begin + tid + j * kChunkThreads;
+    keys[j] = 0u;
+    raws[j] = controls::kNegInf;
+    if (i >= end) continue;
+    const float zi = z[i];
+    if (!controls::IsFinite(zi)) {
+      atomicOr(&non_finite, 1);
+      continue;
+    }
+    const int32_t off = i - begin;
+    const uint32_t bit = 1u << (off & 31);
+    if ((banned_bits[off >> 5] & bit) || controls::Disallowed(bitmask, i))
+      continue;
+    raws[j] = zi;
+    raw_max = zi > raw_max ? zi : raw_max;
+    if ((special_bits[off >> 5] & bit) == 0) {
+      keys[j] = controls::OrderKey(controls::FoldZero(zi));
+      key_max = keys[j] > key_max ? keys[j] : key_max;
+      ++eligible;
+    }
+  }
+  int total_eligible = 0;
+  BlockExclusiveScan<kChunkWarps>(eligible, warp_slots, &total_eligible);
+  key_max = static_cast<uint32_t>(SmallBlockReduce<kChunkWarps>(
+      static_cast<unsigned long long>(key_max),
+      [](unsigned long long a, unsigned long long b) { return a > b ? a : b; },
+      u64_slots));
+
+  // More eligible tokens than slots: write the distance bins below the
+  // chunk's max that hold at most kChunkCandidates together; the first bin
+  // left out bounds the rest.
+  const bool truncated = total_eligible > kChunkCandidates;
+  const float top = controls::KeyValue(key_max);
+  if (truncated) {
+#pragma unroll
+    for (int j = 0; j < kChunkPerThread; ++j) {
+      if (keys[j] != 0u) {
+        atomicAdd(
+            &warp_hist[warp][DistanceBin(top, controls::KeyValue(keys[j]))],
+            1u);
+      }
+    }
+    __syncthreads();
+    int bin_count = 0;  // thread b: bin b over the warps
+    for (int wi = 0; wi < kChunkWarps; ++wi) bin_count += warp_hist[wi][tid];
+    int all = 0;
+    const int before =
+        BlockExclusiveScan<kChunkWarps>(bin_count, warp_slots, &all);
+    if (before <= kChunkCandidates && before + bin_count > kChunkCandidates)
+      cut_bin = tid;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kChunkPerThread; ++j) {
+      if (keys[j] != 0u &&
+          DistanceBin(top, controls::KeyValue(keys[j])) == cut_bin) {
+        atomicMax(&boundary_key, keys[j]);
+      }
+    }
+  }
+  __syncthreads();
+  const int cut = cut_bin;  // kDistanceBins: every eligible token fits
+  auto writes = [&](uint32_t key) {
+    return key != 0u &&
+           (!truncated || DistanceBin(top, controls::KeyValue(key)) < cut);
+  };
+  int mine = 0;
+#pragma unroll
+  for (int j = 0; j < kChunkPerThread; ++j) mine += writes(keys[j]);
+  int written = 0;
+  int at = BlockExclusiveScan<kChunkWarps>(mine, warp_slots, &written);
+  int32_t* ids = w.ids + slot * kChunkCandidates;
+  float* values = w.raws + slot * kChunkCandidates;
+#pragma unroll
+  for (int j = 0; j < kChunkPerThread; ++j) {
+    if (writes(keys[j])) {
+      ids[at] = begin + tid + j * kChunkThreads;
+      values[at] = controls::KeyValue(keys[j]);
+      ++at;
+    }
+  }
+
+  // Raw max and sum (raw logprobs), and the tail's processed mass (top_p).
+  const bool greedy = c.temperature == 0.0f;
+  const bool want_raw_sum =
+      WantsLogprobs(c) && (c.logprob_flags & kLogprobRaw) != 0;
+  // The merge bounds unseen mass only for top_p rows that top_k does not
+  // bound; the double exp over every token of such a sum made this kernel
+  // compute-bound (0.25 ms at [128, 151936] on an H100), so both sums take
+  // a float exp: the raw sum accumulates in double (lse within 1e-6), the
+  // tail in float (within 2e-4 of exact, covered by the merge's headroom).
+  const bool want_tail = truncated && !greedy && c.top_p < 1.0f &&
+                         !(c.top_k > 0 && c.top_k < vocab);
+  const float chunk_max = SmallBlockReduce<kChunkWarps>(
+      raw_max, [](float a, float b) { return fmaxf(a, b); },
+      reinterpret_cast<float*>(u64_slots));
+  double raw_sum = 0.0;
+  float tail_sum = 0.0f;
+  const uint32_t boundary = boundary_key;
+  const float tail_top =
+      want_tail ? controls::ScaledLogit(controls::KeyValue(boundary), inv_t)
+                : 0.0f;
+#pragma unroll
+  for (int j = 0; j < kChunkPerThread; ++j) {
+    if (want_raw_sum && raws[j] != controls::kNegInf) {
+      raw_sum = __dadd_rn(
+          raw_sum, static_cast<double>(expf(FS_FSUB(raws[j], chunk_max))));
+    }
+    if (want_tail && keys[j] != 0u && !writes(keys[j])) {
+      const float x = controls::ScaledLogit(controls::KeyValue(keys[j]), inv_t);
+      tail_sum = FS_FADD(tail_sum, expf(FS_FSUB(x, tail_top)));
+    }
+  }
+  if (want_raw_sum) {
+    raw_sum = SmallBlockReduce<kChunkWarps>(
+        raw_sum, [](double a, double b) { return __dadd_rn(a, b); },
+        double_slots);
+  }
+  if (want_tail) {
+    tail_sum = SmallBlockReduce<kChunkWarps>(
+        tail_sum, [](float a, float b) { return FS_FADD(a, b); },
+        reinterpret_cast<float*>(double_slots));
+  }
+  if (tid == 0) {
+    ChunkSummary s;
+    s.boundary = boundary;
+    s.written = written;
+    s.flags =
+        (truncated ? kChunkTruncated : 0) | (non_finite ? kChunkNonFinite : 0);
+    s.raw_max = chunk_max;
+    s.raw_sum = raw_sum;
+    s.tail_sum = tail_sum;
+    w.summaries[slot] = s;
+  }
+}
+
+// Sum of 128-bit masses over the block, as hi and lo 32-bit halves.
+__device__ U128 BlockMassSum(unsigned long long hi, unsigned long long lo,
+                             SharedState& sh) {
+  hi = BlockReduce(hi, SumU64{}, sh);
+  lo = BlockReduce(lo, SumU64{}, sh);
+  return (static_cast<U128>(hi) << 32) + static_cast<U128>(lo);
+}
+
+// An upper bound on the top-p mass (FixedMass units) of the members the
+// merge does not see: the truncated chunks' tails, from their float sums
+// (within 2e-4 of exact; 1e-3 of headroom and one unit per token), and the
+// written candidates at or below the bound, exactly. Every thread calls it.
+__device__ U128 UnseenMassBound(const CandidateWorkspace& w,
+                                const ChunkSummary* summaries,
+                                int64_t row_slots, uint32_t bound_key,
+                                float floor, float x_max, float inv_t,
+                                int32_t vocab, SharedState& sh) {
+  double tail = 0.0;
+  for (int q = threadIdx.x; q < w.chunks; q += kThreads) {
+    const ChunkSummary& s = summaries[q];
+    if (!(s.flags & kChunkTruncated)) continue;
+    const float top =
+        controls::ScaledLogit(controls::KeyValue(s.boundary), inv_t);
+    tail += s.tail_sum *
+            ::exp(static_cast<double>(top) - static_cast<double>(x_max)) *
+            4611686018427387904.0 * (1.0 + 1e-3);
+  }
+  tail = BlockReduce(tail, SumDouble{}, sh);
+  tail += static_cast<double>(vocab);
+  unsigned long long hi = 0, lo = 0;
+  const int slots = w.chunks * kChunkCandidates;
+  for (int s = threadIdx.x; s < slots; s += kThreads) {
+    if ((s % kChunkCandidates) >= summaries[s / kChunkCandidates].written)
+      continue;
+    const float v = w.raws[row_slots + s];
+    if (controls::OrderKey(v) > bound_key) continue;
+    const float x = controls::ScaledLogit(v, inv_t);
+    if (!(x >= floor)) continue;
+    const uint64_t mass = controls::FixedMass(x, x_max);
+    hi += mass >> 32;
+    lo += mass & 0xffffffffu;
+  }
+  const U128 written = BlockMassSum(hi, lo, sh);
+  const double two64 = 18446744073709551616.0;
+  const double tail_hi = ::floor(tail / two64);
+  const double tail_lo = tail - tail_hi * two64;
+  return (static_cast<U128>(static_cast<unsigned long long>(tail_hi)) << 64) +
+         static_cast<U128>(static_cast<unsigned long long>(tail_lo)) + 1 +
+         written;
+}
+
+// The processed logit x of `id` (the full pass's transform for one token):
+// its entry's SpecialLogit when it has one, else l * (1 / T) after the mask.
+__device__ float ProcessedLogitOf(const ControlledSampleParams& p,
+                                  const ControlledRow& c, const float* z,
+                                  const uint32_t* bitmask, float inv_t,
+                                  int32_t id) {
+  int64_t lo = c.special_begin;
+  int64_t hi = c.special_end;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (p.special_ids[mid] < id) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  const bool disallowed = controls::Disallowed(bitmask, id);
+  if (lo < c.special_end && p.special_ids[lo] == id) {
+    return controls::ScaledLogit(
+        controls::SpecialLogit(z[id], disallowed, p.special_flags[lo],
+                               p.special_bias[lo], p.special_count[lo],
+                               c.repetition_penalty, c.frequency_penalty,
+                               c.presence_penalty),
+        inv_t);
+  }
+  return controls::ScaledLogit(disallowed ? controls::kNegInf : z[id], inv_t);
+}
+
+struct MergeShared {
+  SharedState sh;  // BlockReduce's scratch
+  int32_t entry_id[kMergeEntryRoom];
+  float entry_x[kMergeEntryRoom];
+  float entry_raw[kMergeEntryRoom];
+  uint32_t bin_count[kDistanceBins];
+  unsigned long long bin_mass_hi[kDistanceBins];
+  unsigned long long bin_mass_lo[kDistanceBins];
+  // The sorted prefix: PackedKey(x, id), descending, and each one's mass.
+  unsigned long long sorted[kMergeSortCapacity];
+  unsigned long long mass[kMergeSortCapacity];
+  int warp_slots[kWarps];
+  int sorted_count;
+  int select_bin;
+  int cut_index;     // survivors: sorted[0 .. cut_index]
+  int cut_index_hi;  // the same cut at the unseen mass's upper end
+};
+
+// Bitonic sort of sorted[0, n) descending (n <= kMergeSortCapacity; the rest
+// up to the next power of two padded with 0, below every key).
+__device__ void SortDescending(unsigned long long* keys, int n) {
+  int size = 1;
+  while (size < n) size <<= 1;
+  for (int i = n + threadIdx.x; i < size; i += kThreads) keys[i] = 0ull;
+  __syncthreads();
+  for (int k = 2; k <= size; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < size; i += kThreads) {
+        const int partner = i ^ j;
+        if (partner <= i) continue;
+        const bool descending = (i & k) == 0;
+        const unsigned long long a = keys[i];
+        const unsigned long long b = keys[partner];
+        if (descending ? a < b : a > b) {
+          keys[i] = b;
+          keys[partner] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    CandidateMergeKernel(const ControlledSampleParams p, CandidateWorkspace w) {
+  extern __shared__ __align__(16) unsigned char dynamic_shared[];
+  MergeShared& m = *reinterpret_cast<MergeShared*>(dynamic_shared);
+  SharedState& sh = m.sh;
+  const int r = blockIdx.x;
+  const int tid = threadIdx.x;
+  const ControlledRow c = p.row_controls[r];
+  const int32_t vocab = static_cast<int32_t>(p.vocab);
+  const float* __restrict__ z = p.logits + r * p.logits_row_stride;
+  if (tid == 0) {
+    w.done[r] = 0;
+    if (p.certified != nullptr) p.certified[r] = 0;
+  }
+
+  const bool greedy = c.temperature == 0.0f;
+  const bool want_sampled = (c.logprob_flags & kLogprobSampled) != 0;
+  const bool want_lse = (c.logprob_flags & kLogprobLogsumexp) != 0;
+  const bool raw_mode = (c.logprob_flags & kLogprobRaw) != 0;
+  const int32_t top_n = c.top_n < vocab ? c.top_n : vocab;
+  const int64_t entries = c.special_end - c.special_begin;
+  if (c.n < 1 || c.n > p.max_samples || top_n < 0 || top_n > p.max_top_n ||
+      (want_sampled && p.sampled_logprobs == nullptr) ||
+      (want_lse && p.logsumexp == nullptr) ||
+      (top_n > 0 && (p.top_token_ids == nullptr || p.top_logprobs == nullptr ||
+                     p.top_count == nullptr)) ||
+      entries > kMergeEntryRoom ||
+      w.chunks * kChunkCandidates > kThreads * kMergeSlotsPerThread) {
+    return;  // the full passes report or take it
+  }
+  const ChunkSummary* summaries =
+      w.summaries + static_cast<int64_t>(r) * w.chunks;
+  const int64_t row_slots =
+      static_cast<int64_t>(r) * w.chunks * kChunkCandidates;
+
+  // The region's bound: the highest boundary of a truncated chunk.
+  unsigned long long bound_plus_one = 0;  // 0: no chunk truncated
+  unsigned long long flags = 0;
+  for (int q = tid; q < w.chunks; q += kThreads) {
+    const ChunkSummary& s = summaries[q];
+    flags |= static_cast<unsigned long long>(s.flags);
+    if (s.flags & kChunkTruncated) {
+      const unsigned long long b =
+          static_cast<unsigned long long>(s.boundary) + 1;
+      bound_plus_one = b > bound_plus_one ? b : bound_plus_one;
+    }
+  }
+  bound_plus_one = BlockReduce(bound_plus_one, MaxU64{}, sh);
+  flags = BlockReduce(
+      flags, [](unsigned long long a, unsigned long long b) { return a | b; },
+      sh);
+  if (flags & kChunkNonFinite) return;
+  const bool outside = bound_plus_one != 0;  // tokens the merge cannot see
+  const uint32_t bound_key = static_cast<uint32_t>(bound_plus_one - 1);
+  const float inv_t = RowInverseTemperature(c);
+  // Every unseen token has raw <= raw_bound and x <= x_bound.
+  const float raw_bound =
+      outside ? controls::KeyValue(bound_key) : controls::kNegInf;
+  const float x_bound = controls::ScaledLogit(raw_bound, inv_t);
+
+  // The candidates above the bound, in registers: slot tid + k * kThreads.
+  int32_t cid[kMergeSlotsPerThread];
+  float cx[kMergeSlotsPerThread];  // processed; -inf = no candidate
+  float craw[kMergeSlotsPerThread];
+  const int slots = w.chunks * kChunkCandidates;
+#pragma unroll
+  for (int k = 0; k < kMergeSlotsPerThread; ++k) {
+    const int s = tid + k * kThreads;
+    cid[k] = -1;
+    cx[k] = controls::kNegInf;
+    craw[k] = controls::kNegInf;
+    if (s >= slots ||
+        (s % kChunkCandidates) >= summaries[s / kChunkCandidates].written) {
+      continue;
+    }
+    const float v = w.raws[row_slots + s];
+    if (outside && controls::OrderKey(v) <= bound_key) continue;
+    cid[k] = w.ids[row_slots + s];
+    cx[k] = controls::ScaledLogit(v, inv_t);
+    craw[k] = v;
+  }
+  const uint32_t* bitmask =
+      c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
+  for (int64_t k = tid; k < entries; k += kThreads) {
+    const int64_t e = c.special_begin + k;
+    const int32_t id = p.special_ids[e];
+    const float zi = z[id];
+    const bool disallowed = controls::Disallowed(bitmask, id);
+    m.entry_id[k] = id;
+    m.entry_x[k] = controls::ScaledLogit(
+        controls::SpecialLogit(zi, disallowed, p.special_flags[e],
+                               p.special_bias[e], p.special_count[e],
+                               c.repetition_penalty, c.frequency_penalty,
+                               c.presence_penalty),
+        inv_t);
+    m.entry_raw[k] =
+        (disallowed || (p.special_flags[e] & controls::kSpecialBanned))
+            ? controls::kNegInf
+            : zi;
+  }
+  for (int b = tid; b < kDistanceBins; b += kThreads) {
+    m.bin_count[b] = 0u;
+    m.bin_mass_hi[b] = 0ull;
+    m.bin_mass_lo[b] = 0ull;
+  }
+  __syncthreads();
+  const int num_entries = static_cast<int>(entries);
+  // Visits every candidate and entry: f(x, raw, id).
+  auto for_each = [&](auto f) {
+#pragma unroll
+    for (int k = 0; k < kMergeSlotsPerThread; ++k) {
+      if (cid[k] >= 0) f(cx[k], craw[k], cid[k]);
+    }
+    for (int k = tid; k < num_entries; k += kThreads)
+      f(m.entry_x[k], m.entry_raw[k], m.entry_id[k]);
+  };
+
+  // x_max, and no NaN or +inf (the full passes report those).
+  float local_max = controls::kNegInf;
+  unsigned long long bad = 0;
+  for_each([&](float x, float, int32_t) {
+    if (controls::IsNan(x) || x == controls::kPosInf) {
+      bad = 1;
+    } else if (x > local_max) {
+      local_max = x;
+    }
+  });
+  const float x_max = BlockReduce(local_max, MaxFloat{}, sh);
+  bad = BlockReduce(bad, MaxU64{}, sh);
+  // The row's max must be seen: strictly above every unseen token.
+  if (bad || x_max == controls::kNegInf || !(x_max > x_bound)) return;
+
+  const bool use_min_p = !greedy && c.min_p > 0.0f;
+  const bool use_top_k = !greedy && c.top_k > 0 && c.top_k < vocab;
+  const bool use_top_p = !greedy && c.top_p < 1.0f;
+  const float floor =
+      use_min_p ? controls::MinPFloor(x_max, c.log_min_p) : controls::kNegInf;
+  auto is_member = [floor](float x) {
+    return x != controls::kNegInf && x >= floor;
+  };
+  // closed: every member of the current set is seen.
+  bool closed = !outside || floor > x_bound;
+  // Survivors: sorted[0 .. m.cut_index] when `prefix`, else every member.
+  bool prefix = false;
+  if (use_top_k || use_top_p) {
+    // Members by distance bin below x_max: counts, and masses for top_p.
+    unsigned long long mass_hi = 0, mass_lo = 0;
+    for_each([&](float x, float, int32_t) {
+      if (!is_member(x)) return;
+      const int b = DistanceBin(x_max, x);
+      atomicAdd(&m.bin_count[b], 1u);
+      if (use_top_p) {
+        const uint64_t mass = controls::FixedMass(x, x_max);
+        atomicAdd(&m.bin_mass_hi[b],
+                  static_cast<unsigned long long>(mass >> 32));
+        atomicAdd(&m.bin_mass_lo[b],
+                  static_cast<unsigned long long>(mass & 0xffffffffu));
+        mass_hi += mass >> 32;
+        mass_lo += mass & 0xffffffffu;
+      }
+    });
+    const U128 member_mass = use_top_p ? BlockMassSum(mass_hi, mass_lo, sh) : 0;
+    // The bins to sort: through the k-th member for top_k, else through the
+    // bin where the mass reaches the largest top-p target the unseen tokens
+    // allow.
+    U128 unseen = 0;
+    if (use_top_p && !use_top_k && !closed) {
+      unseen = UnseenMassBound(w, summaries, row_slots, bound_key, floor, x_max,
+                               inv_t, vocab, sh);
+    }
+    if (tid == 0) {
+      int chosen = -1;
+      if (use_top_k) {
+        uint32_t cum = 0u;
+        for (int b = 0; b < kDistanceBins; ++b) {
+          cum += m.bin_count[b];
+          if (cum >= static_cast<uint32_t>(c.top_k)) {
+            chosen = b;
+            break;
+          }
+        }
+        if (chosen < 0 && closed) chosen = kDistanceBins - 1;  // < k members
+      } else {
+        const U128 target = controls::CeilScaled(c.top_p, member_mass + unseen);
+        U128 cum = 0;
+        for (int b = 0; b < kDistanceBins; ++b) {
+          cum += (static_cast<U128>(m.bin_mass_hi[b]) << 32) +
+                 static_cast<U128>(m.bin_mass_lo[b]);
+          if (cum >= target) {
+            chosen = b;
+            break;
+          }
+        }
+      }
+      m.select_bin = chosen;
+      m.sorted_count = 0;
+    }
+    __syncthreads();
+    const int chosen = m.select_bin;
+    if (chosen < 0) return;  // unseen members could rank inside the cut
+    int total = 0;
+    {
+      int count = 0;
+      for (int b = tid; b <= chosen; b += kThreads) count += m.bin_count[b];
+      int sum_all = 0;
+      BlockExclusiveScan<kWarps>(count, m.warp_slots, &sum_all);
+      total = sum_all;
+    }
+    if (total > kMergeSortCapacity) return;
+    for_each([&](float x, float, int32_t id) {
+      if (!is_member(x) || DistanceBin(x_max, x) > chosen) return;
+      m.sorted[atomicAdd(&m.sorted_count, 1)] = controls::PackedKey(x, id);
+    });
+    __syncthreads();
+    SortDescending(m.sorted, total);
+    for (int i = tid; i < total; i += kThreads) {
+      m.mass[i] = use_top_p ? controls::FixedMass(
+                                  controls::PackedKeyValue(m.sorted[i]), x_max)
+                            : 0ull;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      // top_k: every member ranked at or above the k-th value (ties kept).
+      int end = total;  // within_k = sorted[0, end)
+      bool ok = true;
+      if (use_top_k && total >= c.top_k) {
+        const uint32_t kth = static_cast<uint32_t>(m.sorted[c.top_k - 1] >> 32);
+        // Unseen tokens (x <= x_bound) must fall below the k-th value.
+        if (outside && !(controls::KeyValue(kth) > x_bound)) ok = false;
+        end = c.top_k;
+        while (end < total && static_cast<uint32_t>(m.sorted[end] >> 32) == kth)
+          ++end;
+      } else if (use_top_k && !closed) {
+        ok = false;
+      }
+      int cut = end - 1;
+      int cut_hi = cut;
+      if (ok && use_top_p) {
+        // The shortest prefix whose mass reaches ceil(p * total): the full
+        // passes' cut (ties in id order). Total: within_k's mass when top_k
+        // bounds it, else every member's plus at most `unseen`.
+        U128 known = 0;
+        if (use_top_k) {
+          for (int i = 0; i < end; ++i) known += m.mass[i];
+        } else {
+          known = member_mass;
+        }
+        const U128 target_lo = controls::CeilScaled(c.top_p, known);
+        const U128 target_hi = controls::CeilScaled(c.top_p, known + unseen);
+        U128 cum = 0;
+        cut = -1;
+        cut_hi = -1;
+        for (int i = 0; i < end; ++i) {
+          cum += m.mass[i];
+          if (cut < 0 && cum >= target_lo) cut = i;
+          if (cum >= target_hi) {
+            cut_hi = i;
+            break;
+          }
+        }
+        if (cut < 0) ok = false;
+      }
+      m.cut_index = ok ? cut : -1;
+      m.cut_index_hi = cut_hi;
+    }
+    __syncthreads();
+    if (m.cut_index < 0) return;
+    if (use_top_p && !closed && !use_top_k) {
+      // One cut for every total the unseen mass allows, strictly above them.
+      if (m.cut_index_hi != m.cut_index ||
+          !(controls::PackedKeyValue(m.sorted[m.cut_index]) > x_bound)) {
+        return;
+      }
+    }
+    closed = true;
+    prefix = true;
+  }
+  const bool processed_logprobs =
+      !raw_mode && (want_sampled || want_lse || top_n > 0);
+  if (processed_logprobs && !closed) return;  // the survivors are not all seen
+  const int survivors = prefix ? m.cut_index + 1 : 0;
+
+  // Samples. An open set (no filter bounds it) is certified when the winner's
+  // score beats every unseen token's best possible score.
+  int32_t* tokens = p.token_ids + static_cast<int64_t>(r) * p.max_samples;
+  const float unseen_best = FS_FADD(x_bound, controls::MaxGumbelNoiseBound());
+  const int computed = greedy ? 1 : c.n;
+  for (int j = 0; j < computed; ++j) {
+    unsigned long long best = 0;
+    auto consider = [&](float x, int32_t id) {
+      unsigned long long key;
+      if (greedy) {
+        key = controls::PackedKey(x, id);
+      } else {
+        const float g = GumbelNoise(c.seed, c.step, static_cast<uint32_t>(j),
+                                    static_cast<uint32_t>(id));
+        key = controls::PackedKey(controls::FoldZero(FS_FADD(x, g)), id);
+      }
+      best = key > best ? key : best;
+    };
+    if (prefix) {
+      for (int i = tid; i < survivors; i += kThreads) {
+        consider(controls::PackedKeyValue(m.sorted[i]),
+                 controls::PackedKeyId(m.sorted[i]));
+      }
+    } else {
+      for_each([&](float x, float, int32_t id) {
+        if (greedy ? x != controls::kNegInf : is_member(x)) consider(x, id);
+      });
+    }
+    const unsigned long long winner = BlockReduce(best, MaxU64{}, sh);
+    if (winner == 0) return;
+    if (!greedy && !closed &&
+        !(controls::PackedKeyValue(winner) > unseen_best)) {
+      return;
+    }
+    if (tid == 0) {
+      const int32_t id = controls::PackedKeyId(winner);
+      if (greedy) {
+        for (int k = 0; k < c.n; ++k) tokens[k] = id;
+      } else {
+        tokens[j] = id;
+      }
+    }
+  }
+
+  // Logprobs, as the full passes: raw over the masked raw logits, else over
+  // the survivors (a greedy row's are every allowed token).
+  int listed = 0;
+  if (want_sampled || want_lse || top_n > 0) {
+    double lse = 0.0;
+    if (raw_mode) {
+      // Per-chunk partial sums, combined in chunk order by warp 0.
+      if (tid < 32) {
+        float top = controls::kNegInf;
+        for (int q = tid; q < w.chunks; q += 32)
+          top = fmaxf(top, summaries[q].raw_max);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+          top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+        double sum = 0.0;
+        for (int q = tid; q < w.chunks; q += 32) {
+          const ChunkSummary& s = summaries[q];
+          if (s.raw_max == controls::kNegInf) continue;
+          sum =
+              __dadd_rn(sum, s.raw_sum * ::exp(static_cast<double>(s.raw_max) -
+                                               static_cast<double>(top)));
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+          sum = __dadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+        if (tid == 0) {
+          sh.scratch[0] = static_cast<unsigned long long>(
+              __double_as_longlong(static_cast<double>(top) + ::log(sum)));
+        }
+      }
+      __syncthreads();
+      lse = __longlong_as_double(static_cast<long long>(sh.scratch[0]));
+      __syncthreads();
+    } else {
+      double sum = 0.0;
+      auto add = [&](float x) {
+        sum = __dadd_rn(
+            sum, ::exp(static_cast<double>(x) - static_cast<double>(x_max)));
+      };
+      if (prefix) {
+        for (int i = tid; i < survivors; i += kThreads)
+          add(controls::PackedKeyValue(m.sorted[i]));
+      } else {
+        for_each([&](float x, float, int32_t) {
+          if (greedy ? x != controls::kNegInf : is_member(x)) add(x);
+        });
+      }
+      sum = BlockReduce(sum, SumDouble{}, sh);
+      lse = static_cast<double>(x_max) + ::log(sum);
+    }
+    // Top-N: the sorted survivors' first N, or N rounds of "the best key
+    // below the previous one", checked against the unseen tokens.
+    const int64_t out = static_cast<int64_t>(r) * p.max_top_n;
+    if (!raw_mode && prefix) {
+      listed = top_n < survivors ? top_n : survivors;
+      for (int t = tid; t < listed; t += kThreads) {
+        p.top_token_ids[out + t] = controls::PackedKeyId(m.sorted[t]);
+        p.top_logprobs[out + t] = static_cast<float>(
+            static_cast<double>(controls::PackedKeyValue(m.sorted[t])) - lse);
+      }
+    } else {
+      unsigned long long previous = ~0ull;
+      for (int32_t t = 0; t < top_n; ++t) {
+        unsigned long long best = 0;
+        for_each([&](float x, float raw, int32_t id) {
+          float v;
+          if (raw_mode) {
+            v = raw;
+            if (v == controls::kNegInf) return;
+          } else {
+            v = x;
+            if (greedy ? v == controls::kNegInf : !is_member(v)) return;
+          }
+          const unsigned long long key = controls::PackedKey(v, id);
+          if (key < previous && key > best) best = key;
+        });
+        const unsigned long long found = BlockReduce(best, MaxU64{}, sh);
+        const float bound = raw_mode ? raw_bound : x_bound;
+        if (outside &&
+            (found == 0 || !(controls::PackedKeyValue(found) > bound))) {
+          return;  // an unseen token could rank here
+        }
+        if (found == 0) break;
+        if (tid == 0) {
+          p.top_token_ids[out + t] = controls::PackedKeyId(found);
+          p.top_logprobs[out + t] = static_cast<float>(
+              static_cast<double>(controls::PackedKeyValue(found)) - lse);
+        }
+        previous = found;
+        ++listed;
+      }
+    }
+    if (tid == 0) {
+      if (want_lse) p.logsumexp[r] = static_cast<float>(lse);
+      if (want_sampled) {
+        for (int k = 0; k < c.n; ++k) {
+          const int32_t id = tokens[k];
+          const float v =
+              raw_mode ? z[id] : ProcessedLogitOf(p, c, z, bitmask, inv_t, id);
+          p.sampled_logprobs[static_cast<int64_t>(r) * p.max_samples + k] =
+              static_cast<float>(static_cast<double>(v) - lse);
+        }
+      }
+    }
+  }
+  if (tid == 0) {
+    if (p.top_count != nullptr) p.top_count[r] = listed;
+    p.status[r] = kControlledOk;
+    p.error_token[r] = -1;
+    w.done[r] = 1;
+    if (p.certified != nullptr) p.certified[r] = 1;
+  }
+}
+
 __global__ void FixedMassProbeKernel(const float* __restrict__ x, int64_t count,
                                      float x_max, uint64_t* __restrict__ out) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -514,11 +1400,41 @@ constexpr size_t kWorkspaceAlign = 256;
 
 }  // namespace
 
+namespace {
+
+size_t AlignUp(size_t bytes) {
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
+int ChunksPerRow(int64_t vocab) {
+  return static_cast<int>((vocab + kChunkTokens - 1) / kChunkTokens);
+}
+
+// The workspace of `rows` rows: the full pass's processed logits, then the
+// candidate path's chunk summaries, chunk ids and done flags.
+struct WorkspaceLayout {
+  size_t summaries, ids, raws, done, total;
+};
+
+WorkspaceLayout LayoutOf(int rows, int64_t vocab) {
+  const size_t n = static_cast<size_t>(rows);
+  const size_t chunks = static_cast<size_t>(ChunksPerRow(vocab));
+  WorkspaceLayout l;
+  l.summaries = AlignUp(sizeof(float) * n * static_cast<size_t>(vocab));
+  l.ids = l.summaries + AlignUp(sizeof(ChunkSummary) * n * chunks);
+  l.raws = l.ids + AlignUp(sizeof(int32_t) * n * chunks * kChunkCandidates);
+  l.done = l.raws + AlignUp(sizeof(float) * n * chunks * kChunkCandidates);
+  // The launch aligns the candidate arrays itself: the engine hands each
+  // row chunk the workspace from its first row's logits on.
+  l.total = l.done + AlignUp(sizeof(int32_t) * n) + kWorkspaceAlign;
+  return l;
+}
+
+}  // namespace
+
 size_t ControlledSampleWorkspaceSize(int rows, int64_t vocab) {
   if (rows <= 0 || vocab <= 0) return 0;
-  const size_t bytes =
-      sizeof(float) * static_cast<size_t>(rows) * static_cast<size_t>(vocab);
-  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+  return LayoutOf(rows, vocab).total;
 }
 
 cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
@@ -536,8 +1452,37 @@ cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
           ControlledSampleWorkspaceSize(params.rows, params.vocab)) {
     return cudaErrorInvalidValue;
   }
+  const WorkspaceLayout layout = LayoutOf(params.rows, params.vocab);
+  const uintptr_t x_end = reinterpret_cast<uintptr_t>(workspace) +
+                          sizeof(float) * static_cast<size_t>(params.rows) *
+                              static_cast<size_t>(params.vocab);
+  char* base = reinterpret_cast<char*>(AlignUp(x_end)) - layout.summaries;
+  CandidateWorkspace candidates;
+  candidates.chunks = ChunksPerRow(params.vocab);
+  candidates.summaries =
+      reinterpret_cast<ChunkSummary*>(base + layout.summaries);
+  candidates.ids = reinterpret_cast<int32_t*>(base + layout.ids);
+  candidates.raws = reinterpret_cast<float*>(base + layout.raws);
+  candidates.done = reinterpret_cast<int32_t*>(base + layout.done);
+  cudaError_t error = cudaSuccess;
+  if (candidates.chunks * kChunkCandidates <= kThreads * kMergeSlotsPerThread) {
+    CandidateChunkKernel<<<dim3(static_cast<unsigned>(candidates.chunks),
+                                static_cast<unsigned>(params.rows)),
+                           kChunkThreads, 0, stream>>>(params, candidates);
+    error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+  }
+  const size_t shared_bytes = sizeof(MergeShared);
+  error = cudaFuncSetAttribute(CandidateMergeKernel,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(shared_bytes));
+  if (error != cudaSuccess) return error;
+  CandidateMergeKernel<<<params.rows, kThreads, shared_bytes, stream>>>(
+      params, candidates);
+  error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
   ControlledSampleKernel<<<params.rows, kThreads, 0, stream>>>(
-      params, static_cast<float*>(workspace));
+      params, static_cast<float*>(workspace), candidates.done);
   return cudaGetLastError();
 }
 

@@ -18,11 +18,15 @@
 namespace flashsampler {
 
 // Bytes of device workspace a launch over `rows` x `vocab` needs: the
-// processed logits x = l / T, 4 * rows * vocab bytes (0.6 MB a row at
-// V = 151936), kept apart so the raw logits stay for raw logprobs.
+// processed logits x = l / T of the full passes, 4 * rows * vocab bytes
+// (0.6 MB a row at V = 151936, kept apart so the raw logits stay for raw
+// logprobs), then the candidate path's per-chunk ids and sums (22 KB a row).
 size_t ControlledSampleWorkspaceSize(int rows, int64_t vocab);
 
-// Samples every row. Returns cudaErrorInvalidValue for bad arguments (null
+// Samples every row: first from the row's candidates (each 2048-token
+// chunk's 64 highest logits), and where that cannot be proven to give the
+// full passes' result, by the full passes (ControlledSampleParams::certified
+// says which). Returns cudaErrorInvalidValue for bad arguments (null
 // required pointers, workspace too small, rows < 0, vocab out of range) and
 // the launch error otherwise; per-row problems go to `status`.
 cudaError_t LaunchControlledSample(const ControlledSampleParams& params,

@@ -117,6 +117,10 @@ struct ControlledSampleParams {
   int32_t* top_count = nullptr;       // [rows]; may be null
   int32_t* status = nullptr;          // [rows] ControlledStatus
   int32_t* error_token = nullptr;     // [rows]; -1 unless kNonFinite
+  // [rows]; may be null. 1 = sampled from the row's candidates (the highest
+  // logits of each chunk) with proof that the full passes agree; 0 = the
+  // full passes over the row sampled it (the exact fallback).
+  int32_t* certified = nullptr;
 };
 
 }  // namespace flashsampler

@@ -574,8 +574,24 @@ __device__ __forceinline__ void ScoreRuns(const Logits& logits, int64_t row0,
     }
   };
   if (in_batch && store_logits && args.logits_out != nullptr) {
+    // A run's 4 consecutive rows as one 16-byte streaming store where the
+    // address allows: scalar stores made writing [128, 151936] fp32 logits
+    // cost 0.21 ms over the plain kernel on an H100.
     float* out = args.logits_out + static_cast<int64_t>(b) * args.vocab_rows;
-    for_each_valid([&](int f, int q, float logit) { out[row(f) + q] = logit; });
+#pragma unroll
+    for (int f = 0; f < kRuns; ++f) {
+      const float4 run = logits.Run(f);
+      float* dst = out + row(f);
+      if (valid(f, 3) && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+        __stcs(reinterpret_cast<float4*>(dst), run);
+      } else {
+        const float values[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (valid(f, q)) dst[q] = values[q];
+        }
+      }
+    }
   }
   float best_score = -__int_as_float(0x7f800000);  // -inf
   int32_t best_id = kNoToken;

@@ -42,10 +42,10 @@ constexpr size_t kControlledPlanBudgetBytes = size_t{16} << 20;
 // ControlledPlan's layout pads each of its six arrays to 256 bytes.
 constexpr size_t kControlledPlanLayoutSlack = 6 * 256;
 
-// The RowResult::exact_fallback label of rows sampled over materialized
-// logits
-// (flashsampler_exact_fallback_rows_total{reason="materialized_logits"}).
-inline constexpr char kMaterializedLogitsFallback[] = "materialized_logits";
+// The RowResult::exact_fallback label of controlled rows whose candidates
+// could not certify the sample, so the full passes over the row's logits
+// took it (flashsampler_exact_fallback_rows_total{reason="full_row_pass"}).
+inline constexpr char kFullRowPassFallback[] = "full_row_pass";
 
 // True when the row uses a control beyond temperature and n: the fused
 // kernel alone cannot serve it, the controlled sampler over materialized

@@ -79,6 +79,7 @@ struct ControlledOutputLayout {
   size_t top_count = 0;         // int32 [rows]
   size_t status = 0;            // int32 [rows]
   size_t error_token = 0;       // int32 [rows]
+  size_t certified = 0;         // int32 [rows]
   size_t total = 0;
 };
 
@@ -102,6 +103,7 @@ ControlledOutputLayout MakeControlledOutputLayout(int rows, int samples,
   l.top_count = take(4 * r);
   l.status = take(4 * r);
   l.error_token = take(4 * r);
+  l.certified = take(4 * r);
   l.total = at;
   return l;
 }
@@ -781,6 +783,8 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
     params.status = reinterpret_cast<int32_t*>(out + layout->status) + first;
     params.error_token =
         reinterpret_cast<int32_t*>(out + layout->error_token) + first;
+    params.certified =
+        reinterpret_cast<int32_t*>(out + layout->certified) + first;
     // A chunk uses the workspace from its first row on, so every row's
     // processed logits stay readable until the batch ends (the non-finite
     // message reads one).
@@ -818,6 +822,8 @@ absl::Status CudaEngine::CollectControlled(Slot& slot, const BatchView& batch,
   const auto* status = reinterpret_cast<const int32_t*>(out + layout.status);
   const auto* error_token =
       reinterpret_cast<const int32_t*>(out + layout.error_token);
+  const auto* certified =
+      reinterpret_cast<const int32_t*>(out + layout.certified);
   for (int i = 0; i < batch.rows; ++i) {
     if (!valid[i]) continue;
     RowResult& result = (*results)[i];
@@ -845,7 +851,7 @@ absl::Status CudaEngine::CollectControlled(Slot& slot, const BatchView& batch,
       result.error = ControlledRowError(status[i], token, raw, processed);
       continue;
     }
-    result.exact_fallback = kMaterializedLogitsFallback;
+    if (certified[i] == 0) result.exact_fallback = kFullRowPassFallback;
     const int64_t sample_at = static_cast<int64_t>(i) * max_samples;
     for (int j = 0; j < p.n; ++j) {
       const int32_t token = tokens[sample_at + j];

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,7 +25,8 @@ namespace {
 using testing_gpu::DeviceArray;
 
 struct GpuRows {
-  std::vector<int32_t> status, error_token, token_ids, top_ids, top_count;
+  std::vector<int32_t> status, error_token, token_ids, top_ids, top_count,
+      certified;
   std::vector<float> sampled, lse, top_logprobs;
   int max_samples = 1;
   int max_top_n = 0;
@@ -47,7 +49,7 @@ void RunGpu(const ControlledPlan& plan, const std::vector<float>& logits,
   const int ms = params.max_samples;
   const int mt = std::max(1, params.max_top_n);
   DeviceArray<int32_t> d_tokens(rows * ms), d_status(rows), d_error(rows),
-      d_top_ids(rows * mt), d_top_count(rows);
+      d_top_ids(rows * mt), d_top_count(rows), d_certified(rows);
   DeviceArray<float> d_sampled(rows * ms), d_lse(rows), d_top_lp(rows * mt);
   params.token_ids = d_tokens.get();
   params.status = d_status.get();
@@ -57,6 +59,7 @@ void RunGpu(const ControlledPlan& plan, const std::vector<float>& logits,
   params.top_token_ids = d_top_ids.get();
   params.top_logprobs = d_top_lp.get();
   params.top_count = d_top_count.get();
+  params.certified = d_certified.get();
   const size_t ws_bytes = ControlledSampleWorkspaceSize(rows, vocab);
   DeviceArray<unsigned char> workspace(ws_bytes);
   ASSERT_TRUE(workspace.ok());
@@ -73,15 +76,20 @@ void RunGpu(const ControlledPlan& plan, const std::vector<float>& logits,
   FS_ASSERT_CUDA(d_top_ids.Download(&out->top_ids, rows * mt));
   FS_ASSERT_CUDA(d_top_lp.Download(&out->top_logprobs, rows * mt));
   FS_ASSERT_CUDA(d_top_count.Download(&out->top_count, rows));
+  FS_ASSERT_CUDA(d_certified.Download(&out->certified, rows));
 }
 
-void GpuEqualsCpu(int64_t vocab, int rows_per_case) {
-  FS_SKIP_WITHOUT_GPU();
+// Runs `cases` on the GPU and compares every row with the CPU sampler;
+// `certified` (if not null) receives each case's count of rows the candidate
+// path sampled.
+void CasesEqualCpu(int64_t vocab, int rows_per_case,
+                   const std::vector<testing_controls::Case>& cases,
+                   std::vector<int>* certified) {
   constexpr int kHidden = 32;
   testing_controls::Model model =
       testing_controls::MakeModel(vocab, kHidden, 11);
   ASSERT_NE(model.sampler, nullptr);
-  for (const testing_controls::Case& c : testing_controls::Cases(vocab)) {
+  for (const testing_controls::Case& c : cases) {
     testing_controls::CaseBatch batch;
     testing_controls::PrepareCase(model, c, rows_per_case, &batch);
     if (::testing::Test::HasFatalFailure()) return;
@@ -93,6 +101,12 @@ void GpuEqualsCpu(int64_t vocab, int rows_per_case) {
     GpuRows gpu;
     RunGpu(plan, logits, vocab, &gpu);
     if (::testing::Test::HasFatalFailure()) return;
+    int rows_certified = 0;
+    for (int r = 0; r < rows; ++r) rows_certified += gpu.certified[r] == 1;
+    std::printf("[%s V=%lld] %d of %d rows certified from candidates\n",
+                c.name.c_str(), static_cast<long long>(vocab), rows_certified,
+                rows);
+    if (certified != nullptr) certified->push_back(rows_certified);
     for (int r = 0; r < rows; ++r) {
       const SamplingParams& p = *specs[r].params;
       const int ms = gpu.max_samples;
@@ -117,9 +131,15 @@ void GpuEqualsCpu(int64_t vocab, int rows_per_case) {
       if (gpu.status[r] != kControlledOk) {
         EXPECT_EQ(tokens, std::vector<int32_t>(n, -1)) << where;
         EXPECT_EQ(listed, 0) << where;
+        EXPECT_EQ(gpu.certified[r], 0) << where;
       }
     }
   }
+}
+
+void GpuEqualsCpu(int64_t vocab, int rows_per_case) {
+  FS_SKIP_WITHOUT_GPU();
+  CasesEqualCpu(vocab, rows_per_case, testing_controls::Cases(vocab), nullptr);
 }
 
 TEST(ControlledSamplerGpuTest, EqualsTheCpuSamplerV127) {
@@ -139,6 +159,48 @@ TEST(ControlledSamplerGpuTest, EqualsTheCpuSamplerV151936) {
 }
 
 // Rows with fewer outputs than the controls ask for fail alone.
+// The candidate path decides the common rows and hands the rest to the full
+// passes on purpose: a flat row's nucleus at top_p 0.99 and a top_k far
+// beyond the chunks' candidates cannot be certified; both paths equal the
+// CPU sampler.
+TEST(ControlledSamplerGpuTest, CandidatePathCertifiesPeakedRowsOnly) {
+  FS_SKIP_WITHOUT_GPU();
+  constexpr int64_t kVocab = 151936;
+  auto with = [](auto edit) {
+    SamplingParams p;
+    edit(p);
+    return p;
+  };
+  const SamplingParams common = with([](SamplingParams& p) {
+    p.temperature = 0.8f;
+    p.top_k = 50;
+    p.top_p = 0.9f;
+    p.min_p = 0.05f;
+  });
+  const SamplingParams top_p_099 =
+      with([](SamplingParams& p) { p.top_p = 0.99f; });
+  const SamplingParams top_k_large =
+      with([](SamplingParams& p) { p.top_k = 20000; });
+  const SamplingParams greedy_logprobs = with([](SamplingParams& p) {
+    p.temperature = 0.0f;
+    p.logprobs = testing_controls::AllLogprobs(5, true);
+  });
+  const std::vector<testing_controls::Case> cases = {
+      {"common", {common}, {}},
+      {"greedy_raw_logprobs", {greedy_logprobs}, {}},
+      {"flat_top_p_099", {top_p_099}, {0, 1, 2, 3, 4, 5, 6, 7}},
+      {"top_k_20000", {top_k_large}, {}},
+  };
+  std::vector<int> certified;
+  CasesEqualCpu(kVocab, 8, cases, &certified);
+  if (::testing::Test::HasFatalFailure()) return;
+  ASSERT_EQ(certified.size(), cases.size());
+  EXPECT_EQ(certified[0], 8);
+  EXPECT_EQ(certified[1], 8);
+  EXPECT_EQ(certified[2], 0);
+  EXPECT_EQ(certified[3], 0);
+}
+
 TEST(ControlledSamplerGpuTest, RowAskingBeyondTheOutputsFailsAlone) {
   FS_SKIP_WITHOUT_GPU();
   constexpr int64_t kVocab = 300;
