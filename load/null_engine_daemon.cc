@@ -13,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "service/backends/engine.h"
@@ -74,6 +75,9 @@ class NullEngine final : public Engine {
 
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  // As flashsamplerd (service/serving/main.cc): no lock-graph check on every
+  // Mutex acquisition.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);
