@@ -13,10 +13,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "service/backends/engine.h"
+#include "service/serving/process_setup.h"
 #include "service/serving/server.h"
 
 ABSL_FLAG(std::string, listen_address, "127.0.0.1:50051", "gRPC address");
@@ -75,9 +75,7 @@ class NullEngine final : public Engine {
 
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  // As flashsamplerd (service/serving/main.cc): no lock-graph check on every
-  // Mutex acquisition.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  SetUpServingProcess();  // as flashsamplerd
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);

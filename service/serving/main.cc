@@ -18,9 +18,9 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/program_flags.h"
+#include "service/serving/process_setup.h"
 #include "service/serving/server.h"
 #include "service/serving/server_options.h"
 
@@ -208,11 +208,7 @@ struct LoadResult {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Debian's Abseil checks every Mutex acquisition against a global lock
-  // graph (deadlock detection), gRPC's own locks included. Off, a one-row
-  // Sample() costs the daemon about 112 us of CPU instead of 150 us
-  // (flashsamplerd_null_engine, 1 caller, 2-core host). Tests keep it on.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  flashsampler::SetUpServingProcess();
   if (!InstallStopHandlers()) {
     Log("startup failed: cannot install the SIGTERM/SIGINT handlers");
     return 1;
