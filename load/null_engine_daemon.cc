@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "service/backends/engine.h"
+#include "service/serving/process_setup.h"
 #include "service/serving/server.h"
 
 ABSL_FLAG(std::string, listen_address, "127.0.0.1:50051", "gRPC address");
@@ -74,6 +75,7 @@ class NullEngine final : public Engine {
 
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  SetUpServingProcess();  // as flashsamplerd
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);

@@ -4,6 +4,7 @@
 #include "service/serving/batcher.h"
 
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 #include <thread>
 #include <utility>
@@ -288,9 +289,17 @@ std::vector<Batcher::Completion> Batcher::RunBatch(
   std::vector<RowSpec> specs;
   int rows = 0;
   for (const std::unique_ptr<BatchItem>& item : kept) {
-    ConvertDType(item->dtype, item->hidden,
-                 static_cast<size_t>(item->rows) * info.hidden_size,
-                 info.input_dtype, input + rows * input_row_bytes_);
+    char* to = input + rows * input_row_bytes_;
+    if (item->hidden != nullptr) {
+      ConvertDType(item->dtype, item->hidden,
+                   static_cast<size_t>(item->rows) * info.hidden_size,
+                   info.input_dtype, to);
+    } else {
+      for (absl::string_view piece : *item->hidden_pieces) {
+        std::memcpy(to, piece.data(), piece.size());
+        to += piece.size();
+      }
+    }
     specs.insert(specs.end(), item->specs, item->specs + item->rows);
     rows += item->rows;
     metrics_->ObserveQueueWait(Seconds(launch - item->enqueued_));

@@ -18,6 +18,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "service/backends/engine.h"
@@ -50,8 +51,11 @@ class BatchItem {
                     const BatchTiming& timing) = 0;
 
   int rows = 0;
-  DType dtype = DType::kFp32;      // dtype of `hidden`
-  const void* hidden = nullptr;    // rows x D elements
+  DType dtype = DType::kFp32;    // dtype of `hidden`
+  const void* hidden = nullptr;  // rows x D elements
+  // When `hidden` is null: the rows' bytes in order, in the engine's input
+  // dtype, left in the transport's buffers (copied once, into the batch).
+  const std::vector<absl::string_view>* hidden_pieces = nullptr;
   const RowSpec* specs = nullptr;  // rows entries
   absl::Time deadline = absl::InfiniteFuture();
 

@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/program_flags.h"
+#include "service/serving/process_setup.h"
 #include "service/serving/server.h"
 #include "service/serving/server_options.h"
 
@@ -207,6 +208,7 @@ struct LoadResult {
 }  // namespace
 
 int main(int argc, char** argv) {
+  flashsampler::SetUpServingProcess();
   if (!InstallStopHandlers()) {
     Log("startup failed: cannot install the SIGTERM/SIGINT handlers");
     return 1;

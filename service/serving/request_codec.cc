@@ -6,6 +6,7 @@
 // check every engine applies.
 #include "service/serving/request_codec.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -99,6 +100,34 @@ bool SameLogprobs(const LogprobRequest& a, const LogprobRequest& b) {
          a.top_n == b.top_n && a.raw == b.raw;
 }
 
+// True when none of `count` words at `data` has every bit of `mask` set (an
+// all-ones exponent: Inf or NaN). No early exit, so the compiler vectorizes
+// it: common/dtype_convert.h's AllFinite stops at the first bad element and
+// ran element by element, 19% of the daemon's CPU on 256-row bf16 requests.
+template <typename Word>
+bool NoExponentAllOnes(const void* data, size_t count, Word mask) {
+  const char* bytes = static_cast<const char*>(data);
+  unsigned bad = 0;
+  for (size_t i = 0; i < count; ++i) {
+    Word word;
+    std::memcpy(&word, bytes + i * sizeof(Word), sizeof(Word));
+    bad |= static_cast<unsigned>((word & mask) == mask);
+  }
+  return bad == 0;
+}
+
+bool RowFinite(DType dtype, const void* data, size_t count) {
+  switch (dtype) {
+    case DType::kBf16:
+      return NoExponentAllOnes<uint16_t>(data, count, 0x7f80u);
+    case DType::kFp16:
+      return NoExponentAllOnes<uint16_t>(data, count, 0x7c00u);
+    case DType::kFp32:
+      return NoExponentAllOnes<uint32_t>(data, count, 0x7f800000u);
+  }
+  return false;
+}
+
 // Finds the first row of `data` ([rows, hidden] of `dtype`) that is not
 // finite, or -1. When the engine computes in a narrower dtype, a value that
 // is finite on the wire but overflows in the conversion counts as non-finite.
@@ -109,11 +138,56 @@ int FirstNonFiniteRow(DType dtype, const void* data, int rows, int64_t hidden,
   std::vector<uint16_t> converted(narrows ? hidden : 0);
   for (int r = 0; r < rows; ++r) {
     const void* row = static_cast<const char*>(data) + r * row_bytes;
-    if (!AllFinite(dtype, row, hidden)) return r;
+    if (!RowFinite(dtype, row, hidden)) return r;
     if (narrows) {
       ConvertDType(dtype, row, hidden, input_dtype, converted.data());
-      if (!AllFinite(input_dtype, converted.data(), hidden)) return r;
+      if (!RowFinite(input_dtype, converted.data(), hidden)) return r;
     }
+  }
+  return -1;
+}
+
+// FirstNonFiniteRow over rows laid out across `pieces` (same dtype as the
+// engine's, so no conversion check); an element may span two pieces.
+int FirstNonFiniteRowInPieces(DType dtype,
+                              const std::vector<absl::string_view>& pieces,
+                              int64_t hidden) {
+  const size_t element = DTypeSize(dtype);
+  const size_t row_bytes = hidden * element;
+  size_t position = 0;  // bytes of the rows before the current piece
+  char straddle[4];
+  size_t straddle_bytes = 0;
+  for (absl::string_view piece : pieces) {
+    size_t at = 0;
+    if (straddle_bytes > 0) {
+      const size_t take = std::min(element - straddle_bytes, piece.size());
+      std::memcpy(straddle + straddle_bytes, piece.data(), take);
+      straddle_bytes += take;
+      at = take;
+      if (straddle_bytes < element) {
+        position += piece.size();
+        continue;
+      }
+      if (!RowFinite(dtype, straddle, 1)) {
+        return static_cast<int>((position + at - 1) / row_bytes);
+      }
+      straddle_bytes = 0;
+    }
+    // Whole elements of this piece, checked up to each row boundary so that
+    // a failure names its row.
+    while (piece.size() - at >= element) {
+      const size_t offset = position + at;
+      const size_t row_end = (offset / row_bytes + 1) * row_bytes;
+      const size_t whole = (piece.size() - at) / element;
+      const size_t count = std::min(whole, (row_end - offset) / element);
+      if (!RowFinite(dtype, piece.data() + at, count)) {
+        return static_cast<int>(offset / row_bytes);
+      }
+      at += count * element;
+    }
+    straddle_bytes = piece.size() - at;
+    std::memcpy(straddle, piece.data() + at, straddle_bytes);
+    position += piece.size();
   }
   return -1;
 }
@@ -125,9 +199,13 @@ absl::BitGen& ThreadBitGen() {
 
 }  // namespace
 
-absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
-                                 const CodecConfig& config,
-                                 DecodedRequest* out) {
+namespace {
+
+// Both forms of DecodeSampleRequest: the hidden states are `data` when not
+// null, else request.hidden_states().data().
+absl::Status Decode(const v1::SampleRequest& request,
+                    const std::vector<absl::string_view>* data,
+                    const CodecConfig& config, DecodedRequest* out) {
   const int64_t hidden = config.hidden_size;
   if (!request.has_hidden_states()) {
     return Invalid("hidden_states",
@@ -157,15 +235,45 @@ absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
                                 config.max_batch_rows, ", got ", rows));
   }
   const size_t expected_bytes = rows * hidden * DTypeSize(*dtype);
-  if (tensor.data().size() != expected_bytes) {
+  size_t data_bytes = tensor.data().size();
+  if (data != nullptr) {
+    data_bytes = 0;
+    for (absl::string_view piece : *data) data_bytes += piece.size();
+  }
+  if (data_bytes != expected_bytes) {
     return Invalid(
         "hidden_states.data",
         absl::StrCat("must hold B x D x ", DTypeSize(*dtype), " = ", rows,
                      " x ", hidden, " x ", DTypeSize(*dtype), " = ",
-                     expected_bytes, " bytes, got ", tensor.data().size()));
+                     expected_bytes, " bytes, got ", data_bytes));
   }
-  const int bad_row = FirstNonFiniteRow(*dtype, tensor.data().data(), rows,
-                                        hidden, config.input_dtype);
+  // Pieces are kept as they are when the engine takes this dtype, and
+  // gathered into one buffer when they must be converted (or are one piece).
+  out->hidden_pieces.clear();
+  out->gathered.clear();
+  const void* contiguous = tensor.data().data();
+  if (data != nullptr) {
+    // A conversion reads whole elements, so a piece it reads in place must
+    // be aligned to one.
+    const bool aligned =
+        reinterpret_cast<uintptr_t>(data->front().data()) % DTypeSize(*dtype) ==
+        0;
+    if (data->size() == 1 && (aligned || *dtype == config.input_dtype)) {
+      contiguous = data->front().data();
+    } else if (*dtype == config.input_dtype) {
+      contiguous = nullptr;
+    } else {
+      out->gathered.reserve(expected_bytes);
+      for (absl::string_view piece : *data) {
+        out->gathered.append(piece.data(), piece.size());
+      }
+      contiguous = out->gathered.data();
+    }
+  }
+  const int bad_row = contiguous != nullptr
+                          ? FirstNonFiniteRow(*dtype, contiguous, rows, hidden,
+                                              config.input_dtype)
+                          : FirstNonFiniteRowInPieces(*dtype, *data, hidden);
   if (bad_row >= 0) {
     return Invalid(
         "hidden_states.data",
@@ -195,7 +303,8 @@ absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
 
   out->rows = static_cast<int>(rows);
   out->dtype = *dtype;
-  out->hidden = tensor.data().data();
+  out->hidden = contiguous;
+  if (contiguous == nullptr) out->hidden_pieces = *data;
   out->params.clear();
   std::vector<std::string> prefixes;
   if (request.row_params_size() == 0) {
@@ -261,6 +370,21 @@ absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
     spec.step = request.steps_size() != 0 ? request.steps(r) : 0;
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
+                                 const CodecConfig& config,
+                                 DecodedRequest* out) {
+  return Decode(request, nullptr, config, out);
+}
+
+absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
+                                 const std::vector<absl::string_view>& data,
+                                 const CodecConfig& config,
+                                 DecodedRequest* out) {
+  return Decode(request, &data, config, out);
 }
 
 absl::Status EncodeSampleResponse(const v1::SampleRequest& request,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "flashsampler/v1/sampler.pb.h"
 #include "service/backends/sampling_params.h"
 #include "service/serving/server_options.h"
@@ -37,8 +38,14 @@ struct CodecConfig {
 // heap buffer survives moves of this struct.
 struct DecodedRequest {
   int rows = 0;
-  DType dtype = DType::kFp32;          // dtype of `hidden` on the wire
-  const void* hidden = nullptr;        // rows x D elements of dtype
+  DType dtype = DType::kFp32;    // dtype of `hidden` on the wire
+  const void* hidden = nullptr;  // rows x D elements of dtype
+  // Set instead of `hidden` when the request's data came in pieces
+  // (DecodeSampleRequest with `data`) and needs no conversion: the rows'
+  // bytes, in order, already in config.input_dtype.
+  std::vector<absl::string_view> hidden_pieces;
+  // The pieces gathered, when they must be converted: `hidden` points here.
+  std::string gathered;
   std::vector<SamplingParams> params;  // 1 (broadcast) or `rows` entries
   std::vector<uint64_t> seeds;         // rows; drawn by the server if absent
   std::vector<RowSpec> specs;          // rows
@@ -50,6 +57,14 @@ struct DecodedRequest {
 // per-thread absl::BitGen (64 bits each). Returns INVALID_ARGUMENT or
 // UNIMPLEMENTED with a message that names the offending field.
 absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
+                                 const CodecConfig& config,
+                                 DecodedRequest* out);
+
+// The same for a request parsed without its hidden states' bytes
+// (request_wire.h): request.hidden_states().data() is ignored and `data`,
+// views that must outlive `out`, holds them instead.
+absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
+                                 const std::vector<absl::string_view>& data,
                                  const CodecConfig& config,
                                  DecodedRequest* out);
 

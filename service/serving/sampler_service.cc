@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/status_util.h"
 #include "grpcpp/support/proto_buffer_reader.h"
+#include "service/serving/request_wire.h"
 
 namespace flashsampler {
 
@@ -52,6 +53,46 @@ bool ParseRequest(const grpc::ByteBuffer& bytes, v1::SampleRequest* request) {
   return reader.status().ok() && request->ParseFromZeroCopyStream(&reader);
 }
 
+// A request read with its hidden states left in gRPC's slices
+// (request_wire.h); requests the splitter does not follow are parsed whole.
+struct WireRequest {
+  v1::SampleRequest request;
+  std::vector<grpc::Slice> slices;  // holds the bytes `data` points into
+  std::vector<absl::string_view> data;
+  bool split = false;  // `data` holds hidden_states.data
+};
+
+// Reads a request's bytes into `wire`; false when they are not a valid
+// SampleRequest.
+bool ParseWireRequest(const grpc::ByteBuffer& bytes, WireRequest* wire) {
+  wire->split = false;
+  wire->data.clear();
+  if (bytes.Dump(&wire->slices).ok()) {
+    std::vector<absl::string_view> pieces;
+    pieces.reserve(wire->slices.size());
+    for (const grpc::Slice& slice : wire->slices) {
+      pieces.emplace_back(reinterpret_cast<const char*>(slice.begin()),
+                          slice.size());
+    }
+    std::string rest;
+    if (SplitHiddenStates(pieces, &rest, &wire->data) == SplitResult::kSplit) {
+      wire->split = true;
+      return wire->request.ParseFromString(rest);
+    }
+  }
+  wire->slices.clear();
+  wire->data.clear();
+  return ParseRequest(bytes, &wire->request);
+}
+
+absl::Status DecodeWireRequest(const WireRequest& wire,
+                               const CodecConfig& codec,
+                               DecodedRequest* decoded) {
+  return wire.split
+             ? DecodeSampleRequest(wire.request, wire.data, codec, decoded)
+             : DecodeSampleRequest(wire.request, codec, decoded);
+}
+
 // Serializes a response; INTERNAL if it cannot be (it always can: the
 // fields are plain numbers and strings).
 absl::Status SerializeResponse(const v1::SampleResponse& response,
@@ -71,6 +112,7 @@ void Describe(const DecodedRequest& decoded, absl::Time deadline,
   item->rows = decoded.rows;
   item->dtype = decoded.dtype;
   item->hidden = decoded.hidden;
+  item->hidden_pieces = &decoded.hidden_pieces;
   item->specs = decoded.specs.data();
   item->deadline = deadline;
 }
@@ -89,7 +131,7 @@ class UnarySampleCall final : public BatchItem {
         metrics_(metrics),
         start_(start) {}
 
-  v1::SampleRequest* request() { return &request_; }
+  WireRequest* wire() { return &wire_; }
   DecodedRequest* decoded() { return &decoded_; }
 
   bool IsCancelled() const override { return context_->IsCancelled(); }
@@ -98,7 +140,7 @@ class UnarySampleCall final : public BatchItem {
             const BatchTiming& timing) override {
     absl::Status s = status;
     if (s.ok()) {
-      s = EncodeSampleResponse(request_, decoded_, results, &response_);
+      s = EncodeSampleResponse(wire_.request, decoded_, results, &response_);
     }
     if (s.ok()) {
       SetTiming(timing, &response_);
@@ -116,7 +158,7 @@ class UnarySampleCall final : public BatchItem {
   grpc::ByteBuffer* const response_bytes_;
   Metrics* const metrics_;
   const absl::Time start_;
-  v1::SampleRequest request_;
+  WireRequest wire_;
   v1::SampleResponse response_;
   DecodedRequest decoded_;
 };
@@ -420,10 +462,10 @@ grpc::ServerUnaryReactor* SamplerService::Sample(
   auto call = std::make_unique<UnarySampleCall>(context, reactor, response,
                                                 metrics_, start);
   absl::Status status;
-  if (!ParseRequest(*request, call->request())) {
+  if (!ParseWireRequest(*request, call->wire())) {
     status = absl::InvalidArgumentError(kNotARequest);
   } else {
-    status = DecodeSampleRequest(*call->request(), codec_, call->decoded());
+    status = DecodeWireRequest(*call->wire(), codec_, call->decoded());
   }
   if (status.ok()) {
     Describe(*call->decoded(), DeadlineOf(context), call.get());

@@ -1,0 +1,175 @@
+// The wire format walk of SplitHiddenStates: only the fields on the path to
+// hidden_states.data (SampleRequest field 2, Tensor field 3) are opened;
+// every other field is copied through as it came.
+#include "service/serving/request_wire.h"
+
+#include <cstdint>
+
+namespace flashsampler {
+
+namespace {
+
+constexpr uint32_t kHiddenStatesField = 2;  // SampleRequest.hidden_states
+constexpr uint32_t kDataField = 3;          // Tensor.data
+constexpr int kVarint = 0;
+constexpr int kFixed64 = 1;
+constexpr int kLengthDelimited = 2;
+constexpr int kFixed32 = 5;
+
+// A read position over the pieces.
+class Cursor {
+ public:
+  explicit Cursor(const std::vector<absl::string_view>& pieces)
+      : pieces_(pieces) {
+    SkipEmpty();
+  }
+
+  uint64_t consumed() const { return consumed_; }
+  bool at_end() const { return piece_ == pieces_.size(); }
+
+  bool ReadByte(uint8_t* byte) {
+    if (at_end()) return false;
+    *byte = static_cast<uint8_t>(pieces_[piece_][offset_]);
+    Advance(1);
+    return true;
+  }
+
+  // A base-128 varint of at most 10 bytes, appending its bytes to `raw`.
+  bool ReadVarint(uint64_t* value, std::string* raw) {
+    *value = 0;
+    for (int shift = 0; shift < 70; shift += 7) {
+      uint8_t byte;
+      if (!ReadByte(&byte)) return false;
+      if (raw != nullptr) raw->push_back(static_cast<char>(byte));
+      *value |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if ((byte & 0x80) == 0) return true;
+    }
+    return false;
+  }
+
+  // Appends the next `n` bytes to `out`.
+  bool Copy(uint64_t n, std::string* out) {
+    return Take(n, [out](absl::string_view bytes) {
+      out->append(bytes.data(), bytes.size());
+    });
+  }
+  // Appends views of the next `n` bytes to `views`.
+  bool View(uint64_t n, std::vector<absl::string_view>* views) {
+    return Take(n,
+                [views](absl::string_view bytes) { views->push_back(bytes); });
+  }
+
+ private:
+  template <typename Sink>
+  bool Take(uint64_t n, Sink sink) {
+    while (n > 0) {
+      if (at_end()) return false;
+      const absl::string_view piece = pieces_[piece_].substr(offset_);
+      const size_t take =
+          n < piece.size() ? static_cast<size_t>(n) : piece.size();
+      sink(piece.substr(0, take));
+      Advance(take);
+      n -= take;
+    }
+    return true;
+  }
+  void Advance(size_t n) {
+    offset_ += n;
+    consumed_ += n;
+    if (offset_ == pieces_[piece_].size()) {
+      ++piece_;
+      offset_ = 0;
+      SkipEmpty();
+    }
+  }
+  void SkipEmpty() {
+    while (piece_ < pieces_.size() && pieces_[piece_].empty()) ++piece_;
+  }
+
+  const std::vector<absl::string_view>& pieces_;
+  size_t piece_ = 0;
+  size_t offset_ = 0;
+  uint64_t consumed_ = 0;
+};
+
+void AppendVarint(uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>((value & 0x7f) | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+// Copies one field's value (its tag already read into `out`) through.
+bool CopyValue(Cursor& in, int wire_type, std::string* out) {
+  uint64_t value;
+  switch (wire_type) {
+    case kVarint:
+      return in.ReadVarint(&value, out);
+    case kFixed64:
+      return in.Copy(8, out);
+    case kFixed32:
+      return in.Copy(4, out);
+    case kLengthDelimited:
+      return in.ReadVarint(&value, out) && in.Copy(value, out);
+    default:  // groups (3, 4) and the invalid 6, 7
+      return false;
+  }
+}
+
+// One Tensor of `length` bytes: its fields other than data are appended to
+// `tensor`, the data's views replace `data`.
+bool SplitTensor(Cursor& in, uint64_t length, std::string* tensor,
+                 std::vector<absl::string_view>* data) {
+  const uint64_t end = in.consumed() + length;
+  while (in.consumed() < end) {
+    std::string tag_bytes;
+    uint64_t tag;
+    if (!in.ReadVarint(&tag, &tag_bytes)) return false;
+    const int wire_type = static_cast<int>(tag & 7);
+    if ((tag >> 3) == kDataField && wire_type == kLengthDelimited) {
+      uint64_t size;
+      if (!in.ReadVarint(&size, nullptr)) return false;
+      data->clear();
+      if (!in.View(size, data)) return false;
+    } else {
+      tensor->append(tag_bytes);
+      if (!CopyValue(in, wire_type, tensor)) return false;
+    }
+  }
+  return in.consumed() == end;
+}
+
+}  // namespace
+
+SplitResult SplitHiddenStates(const std::vector<absl::string_view>& pieces,
+                              std::string* rest,
+                              std::vector<absl::string_view>* data) {
+  rest->clear();
+  data->clear();
+  Cursor in(pieces);
+  std::string tensor;
+  while (!in.at_end()) {
+    std::string tag_bytes;
+    uint64_t tag;
+    if (!in.ReadVarint(&tag, &tag_bytes)) return SplitResult::kUnsupported;
+    const int wire_type = static_cast<int>(tag & 7);
+    if ((tag >> 3) == kHiddenStatesField && wire_type == kLengthDelimited) {
+      uint64_t length;
+      if (!in.ReadVarint(&length, nullptr)) return SplitResult::kUnsupported;
+      tensor.clear();
+      if (!SplitTensor(in, length, &tensor, data)) {
+        return SplitResult::kUnsupported;
+      }
+      rest->append(tag_bytes);
+      AppendVarint(tensor.size(), rest);
+      rest->append(tensor);
+    } else {
+      rest->append(tag_bytes);
+      if (!CopyValue(in, wire_type, rest)) return SplitResult::kUnsupported;
+    }
+  }
+  return SplitResult::kSplit;
+}
+
+}  // namespace flashsampler
