@@ -25,6 +25,7 @@
 // unlock of a read-locked mutex (no code in this repository does that).
 
 #include <dlfcn.h>
+#include <link.h>
 #include <sanitizer/tsan_interface.h>
 
 #include <atomic>
@@ -33,6 +34,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -126,6 +129,34 @@ class After {
   F f_;
 };
 
+// Whether `pc` lies in the main program, where all of this project's
+// (instrumented) code is linked; gRPC and Abseil are shared libraries.
+bool InMainProgram(const void* pc) {
+  static const std::vector<std::pair<uintptr_t, uintptr_t>>* const ranges = [] {
+    auto* r = new std::vector<std::pair<uintptr_t, uintptr_t>>();
+    // The first object dl_iterate_phdr visits is the main program.
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* out) {
+          auto* v =
+              static_cast<std::vector<std::pair<uintptr_t, uintptr_t>>*>(out);
+          for (int i = 0; i < info->dlpi_phnum; ++i) {
+            const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+            if (ph.p_type != PT_LOAD) continue;
+            const uintptr_t begin = info->dlpi_addr + ph.p_vaddr;
+            v->emplace_back(begin, begin + ph.p_memsz);
+          }
+          return 1;
+        },
+        r);
+    return r;
+  }();
+  const auto addr = reinterpret_cast<uintptr_t>(pc);
+  for (const auto& [begin, end] : *ranges) {
+    if (addr >= begin && addr < end) return true;
+  }
+  return false;
+}
+
 // A call that returns with `mu` held (flags kWrite or kRead).
 template <typename Fn, typename... Args>
 auto LockCall(absl::Mutex* mu, unsigned flags, Fn real, Args... args) {
@@ -173,9 +204,17 @@ ABSL_NAMESPACE_BEGIN
 
 using Cond = const Condition&;
 
+// TSan treats a mutex's destruction as a write to it, racing with every
+// earlier lock not ordered before it. gRPC and Abseil::Status free their
+// objects after a reference count (uninstrumented atomics) drops to zero, so
+// that order is invisible and each destruction of their mutexes would be
+// reported: only mutexes destroyed by this project's code are annotated.
+// The others keep their TSan state until their memory is freed.
 Mutex::~Mutex() {
   const auto real = FS_REAL(false, "5Mutex", "D2Ev", void (*)(Mutex*));
-  if (!Nested()) __tsan_mutex_destroy(this, 0);
+  if (!Nested() && InMainProgram(__builtin_return_address(0))) {
+    __tsan_mutex_destroy(this, 0);
+  }
   real(this);
 }
 
