@@ -5,6 +5,9 @@
 #   scripts/sanitize.sh [asan|tsan]...   (default: both)
 # Suppressions (scripts/sanitizers/*.supp) cover only findings inside
 # libraries we do not build (gRPC, protobuf, OpenBLAS), each with its reason.
+# The tsan build links tools/sanitizers' fs_tsan_absl into every binary so
+# that ThreadSanitizer sees Debian's (uninstrumented) absl::Mutex, CondVar and
+# Notification; tsan_absl_shim_test checks that it does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -13,6 +16,10 @@ if [ ${#kinds[@]} -eq 0 ]; then kinds=(asan tsan); fi
 jobs=${FS_JOBS:-2}
 labels=${FS_SANITIZE_LABELS:-service|core|client}
 status=0
+launcher=()
+if command -v ccache >/dev/null; then
+  launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+fi
 for kind in "${kinds[@]}"; do
   case "$kind" in
     asan) sanitize=address,undefined ;;
@@ -24,7 +31,7 @@ for kind in "${kinds[@]}"; do
   # std::regex's std::function members as maybe-uninitialized (inside
   # libstdc++), which -Werror would turn into a failed build.
   cmake -S . -B "$dir" -DFS_CUDA=OFF -DFS_WERROR=OFF \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFS_SANITIZE="$sanitize"
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFS_SANITIZE="$sanitize" "${launcher[@]}"
   cmake --build "$dir" -j"$jobs"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1"
   export LSAN_OPTIONS="suppressions=$root/scripts/sanitizers/lsan.supp:print_suppressions=0"
