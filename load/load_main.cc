@@ -48,6 +48,9 @@ ABSL_FLAG(std::string, hidden_file, "",
 ABSL_FLAG(std::string, dtype, "bf16", "wire dtype: fp32, bf16 or fp16");
 ABSL_FLAG(float, temperature, 1.0f, "sampling temperature; 0 = greedy");
 ABSL_FLAG(int, n, 1, "samples per row");
+ABSL_FLAG(int, top_k, 0, "top_k of every row; 0 = off");
+ABSL_FLAG(float, top_p, 1.0f, "top_p of every row; 1 = off");
+ABSL_FLAG(float, min_p, 0.0f, "min_p of every row; 0 = off");
 ABSL_FLAG(uint64_t, seed, 1,
           "seed of the random hidden states and of the arrival process");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "deadline per call");
@@ -151,6 +154,10 @@ int Main(int argc, char** argv) {
   RequestFields fields;  // no seeds: the server draws fresh ones per call
   fields.params.set_temperature(absl::GetFlag(FLAGS_temperature));
   if (absl::GetFlag(FLAGS_n) != 1) fields.params.set_n(absl::GetFlag(FLAGS_n));
+  fields.params.set_top_k(absl::GetFlag(FLAGS_top_k));
+  if (absl::GetFlag(FLAGS_top_p) != 1.0f)
+    fields.params.set_top_p(absl::GetFlag(FLAGS_top_p));
+  fields.params.set_min_p(absl::GetFlag(FLAGS_min_p));
   auto request = MakeSampleRequest(hidden, fields);
   if (!request.ok()) return Fail(request.status());
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -194,6 +195,13 @@ double Quantile(const std::vector<double>& sorted, double q) {
 // load answered in 2.0-2.4 ms at about 1.9 ms (17% off): the buckets could
 // not resolve the GPU's 0.1-5 ms latencies.
 TEST(PrometheusScrapeTest, CoarseBucketsMisplacedTheP50) {
+#if defined(__SANITIZE_THREAD__)
+  // The check compares latencies measured on both sides of the call;
+  // ThreadSanitizer's 5-15x slowdown of the client side alone moves them
+  // apart by more than a bucket.
+  std::fprintf(stderr, "SKIPPED under ThreadSanitizer: a timing check\n");
+  GTEST_SKIP() << "timing check, skipped under ThreadSanitizer";
+#endif
   ASSERT_EQ(access(FS_PROMETHEUS_BIN, X_OK), 0)
       << FS_PROMETHEUS_BIN << " is missing: install Debian's prometheus";
   ServerOptions options = testing::TestServerOptions();
