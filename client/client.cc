@@ -492,15 +492,20 @@ void SamplerClient::SampleAsync(
   if (timeout <= absl::ZeroDuration()) timeout = options_.timeout;
   call->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   call->context.set_wait_for_ready(options_.wait_for_ready);
-  stub_->async()->Sample(&call->context, call->request.get(), &call->response,
-                         [call](grpc::Status status) {
-                           std::unique_ptr<Call> owned(call);
-                           if (status.ok()) {
-                             owned->done(std::move(owned->response));
-                           } else {
-                             owned->done(ToAbslStatus(status));
-                           }
-                         });
+  stub_->async()->Sample(
+      &call->context, call->request.get(), &call->response,
+      [call](grpc::Status status) {
+        auto done = std::move(call->done);
+        absl::StatusOr<v1::SampleResponse> result =
+            status.ok()
+                ? absl::StatusOr<v1::SampleResponse>(std::move(call->response))
+                : absl::StatusOr<v1::SampleResponse>(ToAbslStatus(status));
+        // The call (its context's channel reference included) is gone
+        // before the caller hears of the result, so a caller that then
+        // destroys the client races with nothing still running here.
+        delete call;
+        done(std::move(result));
+      });
 }
 
 }  // namespace flashsampler

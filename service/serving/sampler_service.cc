@@ -452,7 +452,12 @@ SamplerService::SamplerService(Batcher* batcher, Metrics* metrics,
       model_info_(std::move(model_info)),
       max_stream_in_flight_(std::max(1, max_stream_in_flight)) {}
 
-SamplerService::~SamplerService() = default;
+SamplerService::~SamplerService() {
+  // Server::Stop destroys the service after gRPC's shutdown has ended every
+  // stream. Taking mu_ orders this thread after the last StreamDone (gRPC
+  // makes that hand-off in code ThreadSanitizer cannot see).
+  absl::MutexLock lock(&mu_);
+}
 
 grpc::ServerUnaryReactor* SamplerService::Sample(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
