@@ -11,6 +11,9 @@ time at the same batch sizes when fs_bench results are given.
   load/service_bench.py --daemon build/bin/flashsamplerd \\
       --load build/bin/fs_load --backend cpu --grid smoke --out /tmp/sb \\
       --weights synthetic:vocab=4096,hidden=256,seed=1,dtype=bf16
+  # the same with sampling controls on every request:
+  load/service_bench.py ... --grid callers --load_arg=--top_k=50 \
+      --load_arg=--top_p=0.9 --load_arg=--min_p=0.05
   # the service path alone (engine answers at once):
   load/service_bench.py --daemon build/bin/flashsamplerd_null_engine \\
       --load build/bin/fs_load --backend null --out /tmp/sb
@@ -135,6 +138,9 @@ def main():
                         help="fs_bench results.csv: the kernel alone")
     parser.add_argument("--out", required=True)
     parser.add_argument("--daemon_arg", action="append", default=[])
+    parser.add_argument("--load_arg", action="append", default=[],
+                        help="passed to every fs_load run, e.g. "
+                        "--load_arg=--top_k=50")
     args = parser.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
@@ -173,6 +179,7 @@ def main():
             # connection tops out near 17k small calls/s, below the daemon.
             callers = amount if mode == "closed" else 64
             command.append(f"--channels={min(8, max(1, callers // 8))}")
+            command += args.load_arg
             before = scrape(metrics_port)
             done = subprocess.run(command, capture_output=True, text=True,
                                   env=env)
