@@ -1101,7 +1101,7 @@ __global__ void __launch_bounds__(kThreads)
       if (!is_member(x)) return;
       const int b = DistanceBin(x_max, x);
       atomicAdd(&m.bin_count[b], 1u);
-      if (use_top_p) {
+      if (use_top_p && !use_top_k) {  // top_k rows sum within_k later
         const uint64_t mass = controls::FixedMass(x, x_max);
         atomicAdd(&m.bin_mass_hi[b],
                   static_cast<unsigned long long>(mass >> 32));
@@ -1111,7 +1111,8 @@ __global__ void __launch_bounds__(kThreads)
         mass_lo += mass & 0xffffffffu;
       }
     });
-    const U128 member_mass = use_top_p ? BlockMassSum(mass_hi, mass_lo, sh) : 0;
+    const U128 member_mass =
+        use_top_p && !use_top_k ? BlockMassSum(mass_hi, mass_lo, sh) : 0;
     // The bins to sort: through the k-th member for top_k, else through the
     // bin where the mass reaches the largest top-p target the unseen tokens
     // allow.
@@ -1120,32 +1121,51 @@ __global__ void __launch_bounds__(kThreads)
       unseen = UnseenMassBound(w, summaries, row_slots, bound_key, floor, x_max,
                                inv_t, vocab, sh);
     }
-    if (tid == 0) {
-      int chosen = -1;
-      if (use_top_k) {
-        uint32_t cum = 0u;
-        for (int b = 0; b < kDistanceBins; ++b) {
-          cum += m.bin_count[b];
-          if (cum >= static_cast<uint32_t>(c.top_k)) {
-            chosen = b;
-            break;
-          }
-        }
-        if (chosen < 0 && closed) chosen = kDistanceBins - 1;  // < k members
-      } else {
-        const U128 target = controls::CeilScaled(c.top_p, member_mass + unseen);
-        U128 cum = 0;
-        for (int b = 0; b < kDistanceBins; ++b) {
-          cum += (static_cast<U128>(m.bin_mass_hi[b]) << 32) +
-                 static_cast<U128>(m.bin_mass_lo[b]);
-          if (cum >= target) {
-            chosen = b;
-            break;
-          }
-        }
+    if (tid < 32) {
+      // Warp 0 scans the bins, lane l owning bins 8l .. 8l + 7: the first
+      // bin at which the count reaches k (top_k), or the mass the largest
+      // top-p target (top_p alone).
+      constexpr int kBinsPerLane = kDistanceBins / 32;
+      auto weight = [&](int b) -> U128 {
+        if (use_top_k) return static_cast<U128>(m.bin_count[b]);
+        return (static_cast<U128>(m.bin_mass_hi[b]) << 32) +
+               static_cast<U128>(m.bin_mass_lo[b]);
+      };
+      const U128 target =
+          use_top_k ? static_cast<U128>(c.top_k)
+                    : controls::CeilScaled(c.top_p, member_mass + unseen);
+      U128 sum = 0;
+      for (int b = 0; b < kBinsPerLane; ++b)
+        sum += weight(kBinsPerLane * tid + b);
+      U128 inclusive = sum;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const unsigned long long hi = __shfl_up_sync(
+            0xffffffffu, static_cast<unsigned long long>(inclusive >> 64),
+            offset);
+        const unsigned long long lo = __shfl_up_sync(
+            0xffffffffu, static_cast<unsigned long long>(inclusive), offset);
+        if (tid >= offset)
+          inclusive += (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
       }
-      m.select_bin = chosen;
-      m.sorted_count = 0;
+      const unsigned owners = __ballot_sync(0xffffffffu, inclusive >= target);
+      if (owners == 0u) {
+        // top_k with fewer than k members: every member, if all are seen.
+        if (tid == 0)
+          m.select_bin = use_top_k && closed ? kDistanceBins - 1 : -1;
+      } else if (tid == __ffs(owners) - 1) {
+        U128 cum = inclusive - sum;
+        int chosen = kBinsPerLane * tid + kBinsPerLane - 1;
+        for (int b = 0; b < kBinsPerLane; ++b) {
+          cum += weight(kBinsPerLane * tid + b);
+          if (cum >= target) {
+            chosen = kBinsPerLane * tid + b;
+            break;
+          }
+        }
+        m.select_bin = chosen;
+      }
+      if (tid == 0) m.sorted_count = 0;
     }
     __syncthreads();
     const int chosen = m.select_bin;
@@ -1235,7 +1255,9 @@ __global__ void __launch_bounds__(kThreads)
   // Samples. An open set (no filter bounds it) is certified when the winner's
   // score beats every unseen token's best possible score.
   int32_t* tokens = p.token_ids + static_cast<int64_t>(r) * p.max_samples;
-  const float unseen_best = FS_FADD(x_bound, controls::MaxGumbelNoiseBound());
+  const float unseen_best =
+      closed ? controls::kPosInf
+             : FS_FADD(x_bound, controls::MaxGumbelNoiseBound());
   const int computed = greedy ? 1 : c.n;
   for (int j = 0; j < computed; ++j) {
     unsigned long long best = 0;
