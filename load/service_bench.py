@@ -22,8 +22,10 @@ Columns: fs_load's throughput and percentiles; the daemon's mean queue wait,
 batch execution time and batch rows over the point (Prometheus histograms
 scraped before and after); overhead_ms = p50 - queue - execute (decode,
 staging, response encoding and the two gRPC hops); the kernel's time at the
-nearest batch size when --kernel_csv (fs_bench results.csv) is given. Exit
-status 1 when any point had errors or the daemon failed.
+nearest batch size when --kernel_csv (fs_bench results.csv) is given;
+the daemon's CPU time (user + system) and context switches (all its
+threads) over the point, per answered request (warm-up calls included on
+both sides). Exit status 1 when any point had errors or the daemon failed.
 
 Only the standard library: it runs on the GPU machines as they are.
 """
@@ -50,7 +52,9 @@ SMOKE_GRID = [("closed", 1, 1), ("closed", 16, 1), ("closed", 4, 16),
 
 HISTOGRAMS = ("flashsampler_queue_wait_seconds",
               "flashsampler_batch_execute_seconds",
-              "flashsampler_batch_rows")
+              "flashsampler_batch_rows",
+              # its count: every answer, warm-up calls included
+              "flashsampler_request_duration_seconds")
 
 
 def free_port():
@@ -77,6 +81,27 @@ def mean_delta(before, after, name):
     count = after.get((name, "count"), 0) - before.get((name, "count"), 0)
     total = after.get((name, "sum"), 0) - before.get((name, "sum"), 0)
     return total / count if count > 0 else float("nan")
+
+
+def process_usage(pid):
+    """The daemon's CPU seconds (user + system) and context switches
+    (voluntary and not, summed over its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        # Fields after the parenthesized name; utime and stime are 14 and 15.
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    switches = 0
+    task_dir = f"/proc/{pid}/task"
+    for task in os.listdir(task_dir):
+        try:
+            with open(os.path.join(task_dir, task, "status")) as f:
+                for line in f:
+                    # voluntary_ctxt_switches, nonvoluntary_ctxt_switches
+                    if "ctxt_switches:" in line:
+                        switches += int(line.split()[-1])
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return cpu_s, switches
 
 
 def wait_serving(port, metrics_port, daemon, deadline_s):
@@ -181,9 +206,13 @@ def main():
             command.append(f"--channels={min(8, max(1, callers // 8))}")
             command += args.load_arg
             before = scrape(metrics_port)
+            usage_before = process_usage(daemon.pid)
             done = subprocess.run(command, capture_output=True, text=True,
                                   env=env)
+            usage_after = process_usage(daemon.pid)
             after = scrape(metrics_port)
+            answered = (after.get((HISTOGRAMS[3], "count"), 0) -
+                        before.get((HISTOGRAMS[3], "count"), 0))
             # fs_load exits 3 when calls failed: that is a result to show
             # (the errors column), anything else means no summary line.
             if done.returncode not in (0, 3):
@@ -195,6 +224,10 @@ def main():
                 "queue_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[0]),
                 "execute_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[1]),
                 "batch_rows": mean_delta(before, after, HISTOGRAMS[2]),
+                "cpu_us": (1e6 * (usage_after[0] - usage_before[0]) / answered
+                           if answered > 0 else float("nan")),
+                "switches": ((usage_after[1] - usage_before[1]) / answered
+                             if answered > 0 else float("nan")),
             })
         with open(summary) as f:
             load_rows = {row["label"]: row for row in csv.DictReader(f)}
@@ -202,7 +235,8 @@ def main():
         table = os.path.join(args.out, "service.csv")
         header = ["point", "req_per_s", "rows_per_s", "p50_ms", "p99_ms",
                   "errors", "queue_ms", "execute_ms", "overhead_ms",
-                  "batch_rows", "kernel_ms_at_batch"]
+                  "batch_rows", "kernel_ms_at_batch", "daemon_cpu_us_per_req",
+                  "switches_per_req"]
         with open(table, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(header)
@@ -218,7 +252,8 @@ def main():
                           fmt(float(load["p99_ms"])), load["errors"],
                           fmt(extra["queue_ms"]), fmt(extra["execute_ms"]),
                           fmt(overhead), fmt(extra["batch_rows"], 1),
-                          fmt(nearest(kernel, extra["batch_rows"]))]
+                          fmt(nearest(kernel, extra["batch_rows"])),
+                          fmt(extra["cpu_us"], 1), fmt(extra["switches"], 2)]
                 writer.writerow(values)
                 print("| " + " | ".join(values) + " |")
         if daemon.poll() is not None:

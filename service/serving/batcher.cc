@@ -80,8 +80,7 @@ void Batcher::Start() {
   }
 }
 
-absl::Status Batcher::Submit(std::unique_ptr<BatchItem> item) {
-  absl::MutexLock lock(&mu_);
+absl::Status Batcher::Admit(const BatchItem& item) {
   if (failed_) return fatal_status_;
   switch (state_) {
     case State::kLoading:
@@ -93,22 +92,77 @@ absl::Status Batcher::Submit(std::unique_ptr<BatchItem> item) {
     case State::kAccepting:
       break;
   }
-  if (item->rows < 1 || item->rows > max_batch_rows_) {
+  if (item.rows < 1 || item.rows > max_batch_rows_) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden_states.shape[0]: B must be in [1, ",
-                     max_batch_rows_, "], got ", item->rows));
+                     max_batch_rows_, "], got ", item.rows));
   }
-  if (queued_rows_ + item->rows > max_queue_rows_) {
+  if (queued_rows_ + item.rows > max_queue_rows_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "queue full: ", queued_rows_, " rows queued, this request adds ",
-        item->rows, ", limit max_queue_rows = ", max_queue_rows_,
+        item.rows, ", limit max_queue_rows = ", max_queue_rows_,
         "; retry with backoff"));
   }
-  item->enqueued_ = absl::Now();
+  return absl::OkStatus();
+}
+
+void Batcher::Enqueue(std::unique_ptr<BatchItem> item) {
   queued_rows_ += item->rows;
   queue_.push_back(std::move(item));
   metrics_->SetQueueRows(queued_rows_);
-  work_cv_.Signal();
+  WakeWorker();
+}
+
+void Batcher::WakeWorker() {
+  if (inline_slot_ >= 0) {
+    work_cv_.SignalAll();
+  } else {
+    work_cv_.Signal();
+  }
+}
+
+absl::Status Batcher::Submit(std::unique_ptr<BatchItem> item) {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = Admit(*item); !s.ok()) return s;
+  item->enqueued_ = absl::Now();
+  Enqueue(std::move(item));
+  return absl::OkStatus();
+}
+
+absl::Status Batcher::SubmitOrRun(std::unique_ptr<BatchItem> item) {
+  constexpr int kSlot = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = Admit(*item); !s.ok()) return s;
+    item->enqueued_ = absl::Now();
+    const bool idle = queue_.empty() && running_ == 0;
+    if (!idle || last_execute_ns_.load(std::memory_order_relaxed) >=
+                     absl::ToInt64Nanoseconds(kInlineMaxExecute)) {
+      Enqueue(std::move(item));
+      return absl::OkStatus();
+    }
+    // Every worker waits on an empty queue, so slot 0 is free; its worker
+    // leaves it alone until the engine returns.
+    inline_slot_ = kSlot;
+    ++inline_running_;
+    ++running_;
+  }
+  std::vector<std::unique_ptr<BatchItem>> items;
+  items.push_back(std::move(item));
+  std::vector<Completion> completions = RunBatch(kSlot, std::move(items));
+  {
+    absl::MutexLock lock(&mu_);
+    inline_slot_ = -1;
+    if (!queue_.empty()) work_cv_.SignalAll();
+  }
+  for (Completion& c : completions) {
+    c.item->Done(c.status, std::move(c.results), c.timing);
+    c.item.reset();
+  }
+  absl::MutexLock lock(&mu_);
+  --inline_running_;
+  --running_;
+  if (queue_.empty() && running_ == 0) idle_cv_.SignalAll();
   return absl::OkStatus();
 }
 
@@ -142,6 +196,11 @@ void Batcher::Stop() {
   for (std::thread& worker : workers_) worker.join();
   workers_.clear();
   {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int* running) { return *running == 0; }, &inline_running_));
+  }
+  {
     absl::MutexLock lock(&done_mu_);
     completers_stop_ = true;
     done_cv_.SignalAll();
@@ -160,8 +219,14 @@ void Batcher::WorkerLoop(int slot) {
     std::vector<std::unique_ptr<BatchItem>> items;
     {
       absl::MutexLock lock(&mu_);
-      while (queue_.empty() && state_ != State::kStopped) work_cv_.Wait(&mu_);
-      if (queue_.empty()) return;  // stopped and drained
+      // The slot is not ours while an inline batch holds it.
+      const auto can_take = [&] {
+        return !queue_.empty() && inline_slot_ != slot;
+      };
+      while (!can_take() && !(queue_.empty() && state_ == State::kStopped)) {
+        work_cv_.Wait(&mu_);
+      }
+      if (!can_take()) return;  // stopped and drained
       int rows = 0;
       while (!queue_.empty() &&
              rows + queue_.front()->rows <= max_batch_rows_) {
@@ -173,7 +238,7 @@ void Batcher::WorkerLoop(int slot) {
       ++running_;
       metrics_->SetQueueRows(queued_rows_);
       // Another slot may take what is left.
-      if (!queue_.empty()) work_cv_.Signal();
+      if (!queue_.empty()) WakeWorker();
     }
     Complete(RunBatch(slot, std::move(items)));
   }
@@ -314,6 +379,8 @@ std::vector<Batcher::Completion> Batcher::RunBatch(
   const absl::Time start = absl::Now();
   absl::Status status = engine_->Sample(view, &results);
   const absl::Time end = absl::Now();
+  last_execute_ns_.store(absl::ToInt64Nanoseconds(end - start),
+                         std::memory_order_relaxed);
   metrics_->AddBatchesInFlight(-1);
   if (status.ok() && static_cast<int>(results.size()) != rows) {
     status = absl::InternalError(absl::StrCat(

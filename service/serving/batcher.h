@@ -4,7 +4,8 @@
 // drops requests that expired or were cancelled while queued, launches one
 // engine batch and hands each request its own rows back on a small pool of
 // completion threads, so that the slot takes its next batch as soon as the
-// engine returns.
+// engine returns. SubmitOrRun() skips the queue when the engine is idle and
+// fast: the caller's thread runs the batch itself.
 #ifndef FLASHSAMPLER_SERVICE_SERVING_BATCHER_H_
 #define FLASHSAMPLER_SERVICE_SERVING_BATCHER_H_
 
@@ -43,10 +44,10 @@ class BatchItem {
 
   // True when the caller went away; its rows are then not computed.
   virtual bool IsCancelled() const { return false; }
-  // Called exactly once, on a batcher thread (a slot's worker or a
-  // completion thread), for every item Submit() accepted: OK with `rows`
-  // results, or the reason the rows were not sampled. The batcher destroys the
-  // item right after.
+  // Called exactly once for every item accepted, on a batcher thread (a
+  // slot's worker or a completion thread) or inside SubmitOrRun(): OK with
+  // `rows` results, or the reason the rows were not sampled. The batcher
+  // destroys the item right after.
   virtual void Done(const absl::Status& status, std::vector<RowResult> results,
                     const BatchTiming& timing) = 0;
 
@@ -86,6 +87,19 @@ class Batcher {
   // batch holds).
   absl::Status Submit(std::unique_ptr<BatchItem> item);
 
+  // As Submit(), but when nothing is queued or running and the engine's last
+  // batch took under kInlineMaxExecute (a GPU kernel at small B; not the CPU
+  // backend at a real vocabulary), runs the item's batch on the calling
+  // thread (on slot 0) and calls its Done() before returning OK: no batcher
+  // thread is woken. At most one such batch runs at a time; requests that
+  // arrive meanwhile queue for the workers as usual.
+  absl::Status SubmitOrRun(std::unique_ptr<BatchItem> item);
+  // The longest last batch after which SubmitOrRun() still runs inline, so a
+  // caller's thread (gRPC's) is held no longer than about this: above an
+  // H100's kernel at B <= 64 (0.21-0.43 ms), far below the CPU backend at a
+  // real vocabulary.
+  static constexpr absl::Duration kInlineMaxExecute = absl::Milliseconds(1);
+
   // Later Submit() calls get UNAVAILABLE "draining"; queued work still runs.
   void StopAccepting();
   // Blocks until nothing is queued or running, or `deadline`; true if idle.
@@ -116,6 +130,13 @@ class Batcher {
     std::shared_ptr<std::atomic<int>> batch_jobs_left;
   };
 
+  // Why `item` cannot be accepted now (Submit()'s errors), or OK.
+  absl::Status Admit(const BatchItem& item) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Enqueue(std::unique_ptr<BatchItem> item)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Wakes a worker that can take queued work (all of them while a slot is
+  // held by an inline batch, whose worker must not take the wake-up).
+  void WakeWorker() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop(int slot);
   // Launches one batch; returns every item's answer, not yet delivered.
   std::vector<Completion> RunBatch(
@@ -143,6 +164,13 @@ class Batcher {
   std::deque<std::unique_ptr<BatchItem>> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
+  // The slot an inline batch holds (its worker waits), or -1.
+  int inline_slot_ ABSL_GUARDED_BY(mu_) = -1;
+  // Inline batches not yet fully delivered; Stop() waits for none.
+  int inline_running_ ABSL_GUARDED_BY(mu_) = 0;
+  // Engine time of the last batch, for SubmitOrRun(); none measured yet
+  // counts as slow, so that the first batch runs on a worker.
+  std::atomic<int64_t> last_execute_ns_{INT64_MAX};
   std::vector<std::thread> workers_;  // touched only by Start()/Stop()
   absl::Mutex stop_mu_;               // serializes Stop()
 

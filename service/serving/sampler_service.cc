@@ -1,5 +1,6 @@
 // The Sampler service's reactors. Unary Sample uses the context's default
-// reactor, finished by a batcher thread; SampleStream has its own reactor
+// reactor, finished by a batcher thread or, when the engine is idle, in the
+// handler itself; SampleStream has its own reactor
 // that keeps accepted requests in arrival order and writes each answer once
 // it and every earlier one are ready (one outstanding write at a time).
 #include "service/serving/sampler_service.h"
@@ -474,8 +475,10 @@ grpc::ServerUnaryReactor* SamplerService::Sample(
   }
   if (status.ok()) {
     Describe(*call->decoded(), DeadlineOf(context), call.get());
-    status = batcher_->Submit(std::move(call));
-    if (status.ok()) return reactor;  // a batcher thread finishes it
+    // An idle engine runs the batch right here, and Done() finishes the
+    // reactor before this returns; else a batcher thread finishes it.
+    status = batcher_->SubmitOrRun(std::move(call));
+    if (status.ok()) return reactor;
   }
   metrics_->ObserveRequest(kSample, status.code(), SecondsSince(start));
   reactor->Finish(ToGrpcStatus(status));

@@ -1,10 +1,13 @@
 // flashsampler.v1.Sampler on gRPC's callback API. Handlers validate the
-// request (never block), hand it to the batcher and return; batcher threads
-// finish the reactors. SampleStream answers one response per request, in
-// order, with at most max_stream_in_flight requests of a stream in flight.
-// Sample and SampleStream take raw bytes and parse them here: gRPC's typed
-// handlers answer an unparsable unary request UNIMPLEMENTED with no message
-// and end a stream OK at an unparsable message, dropping it unanswered.
+// request, hand it to the batcher and return; batcher threads finish the
+// reactors, except that unary Sample runs its batch in the handler when the
+// engine is idle and fast (Batcher::SubmitOrRun: at most one such batch, of
+// under about a millisecond, holds a gRPC thread at a time). SampleStream
+// answers one response per request, in order, with at most max_stream_in_flight
+// requests of a stream in flight. Sample and SampleStream take raw bytes and
+// parse them here: gRPC's typed handlers answer an unparsable unary request
+// UNIMPLEMENTED with no message and end a stream OK at an unparsable message,
+// dropping it unanswered.
 #ifndef FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
 #define FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
 

@@ -1,6 +1,7 @@
 // Batcher unit tests on the gated fake engine: coalescing, FIFO without
 // splitting, the row bound, deadlines and cancellation before launch, drain,
-// and engine errors (per batch, and fatal).
+// engine errors (per batch, and fatal), and batches run on the caller's
+// thread by SubmitOrRun().
 #include "service/serving/batcher.h"
 
 #include <atomic>
@@ -38,6 +39,7 @@ struct Outcome {
   SamplingParams params;
   std::vector<RowSpec> specs;
   std::atomic<bool> cancelled{false};
+  std::thread::id done_thread;  // where Done() ran
 };
 
 class TestItem final : public BatchItem {
@@ -51,6 +53,7 @@ class TestItem final : public BatchItem {
     outcome_->status = status;
     outcome_->results = std::move(results);
     outcome_->timing = timing;
+    outcome_->done_thread = std::this_thread::get_id();
     outcome_->done.Notify();
   }
   // Done() waits for `release` (a slow response encoder) before recording.
@@ -365,6 +368,132 @@ TEST(BatcherTest, DeliveringAnswersDoesNotHoldTheSlot) {
   EXPECT_TRUE(b->status.ok());
   // Idle only once every answer is delivered.
   EXPECT_TRUE(f.batcher.WaitIdle(absl::Now() + kWait));
+}
+
+// Runs one fast batch through the workers, so that the batcher has measured
+// the engine (SubmitOrRun() runs nothing inline before).
+void MeasureTheEngine(Fixture& f) {
+  std::shared_ptr<Outcome> o;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&o, 1, 999)).ok());
+  ASSERT_TRUE(o->done.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(f.batcher.WaitIdle(absl::Now() + kWait));
+}
+
+TEST(BatcherTest, SubmitOrRunRunsTheBatchOnTheCallerWhenTheEngineIsIdle) {
+  Fixture f;
+  f.batcher.Start();
+  // Nothing measured yet: the first batch goes to a worker.
+  std::shared_ptr<Outcome> first, second;
+  ASSERT_TRUE(f.batcher.SubmitOrRun(MakeItem(&first, 1, 1)).ok());
+  ASSERT_TRUE(first->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_NE(first->done_thread, std::this_thread::get_id());
+  ASSERT_TRUE(f.batcher.WaitIdle(absl::Now() + kWait));
+  // Measured fast and idle: answered before SubmitOrRun() returns, here.
+  ASSERT_TRUE(f.batcher.SubmitOrRun(MakeItem(&second, 2, 20, 4.0f)).ok());
+  ASSERT_TRUE(second->done.HasBeenNotified());
+  EXPECT_EQ(second->done_thread, std::this_thread::get_id());
+  ASSERT_TRUE(second->status.ok());
+  ASSERT_EQ(second->results.size(), 2u);
+  EXPECT_THAT(second->results[1].token_ids,
+              ElementsAre(FakeToken(5.0f, 21, 0, 0, kVocab)));
+  EXPECT_EQ(second->timing.batch_rows, 2);
+  EXPECT_TRUE(f.batcher.WaitIdle(absl::Now()));
+}
+
+TEST(BatcherTest, SubmitOrRunQueuesBehindARunningBatch) {
+  Fixture f;  // one slot
+  f.batcher.Start();
+  MeasureTheEngine(f);
+  f.state->Reset();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> running, queued;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&running, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.SubmitOrRun(MakeItem(&queued, 1, 2)).ok());
+  EXPECT_FALSE(queued->done.HasBeenNotified());
+  f.state->OpenGate();
+  ASSERT_TRUE(queued->done.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(running->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(queued->status.ok());
+  EXPECT_NE(queued->done_thread, std::this_thread::get_id());
+  EXPECT_THAT(f.state->seeds_computed(), ElementsAre(1u, 2u));
+}
+
+TEST(BatcherTest, SubmitOrRunQueuesAfterASlowBatch) {
+  Fixture f;
+  f.batcher.Start();
+  MeasureTheEngine(f);
+  f.state->SetDelay(2 * Batcher::kInlineMaxExecute);
+  std::shared_ptr<Outcome> slow, after_slow, after_fast;
+  ASSERT_TRUE(f.batcher.SubmitOrRun(MakeItem(&slow, 1, 1)).ok());
+  EXPECT_TRUE(slow->done.HasBeenNotified());  // the last batch was fast
+  f.state->SetDelay(absl::ZeroDuration());
+  ASSERT_TRUE(f.batcher.SubmitOrRun(MakeItem(&after_slow, 1, 2)).ok());
+  ASSERT_TRUE(after_slow->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_NE(after_slow->done_thread, std::this_thread::get_id());
+  ASSERT_TRUE(f.batcher.WaitIdle(absl::Now() + kWait));
+  ASSERT_TRUE(f.batcher.SubmitOrRun(MakeItem(&after_fast, 1, 3)).ok());
+  EXPECT_TRUE(after_fast->done.HasBeenNotified());
+}
+
+// While an inline batch holds slot 0 its worker leaves the slot alone (one
+// slot: queued work waits), the batcher is not idle, draining refuses new
+// work, and Stop() waits for the inline batch.
+TEST(BatcherTest, InlineBatchHoldsItsSlotAndCountsAsRunning) {
+  Fixture f;  // one slot
+  f.batcher.Start();
+  MeasureTheEngine(f);
+  f.state->Reset();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> inline_item, queued, refused;
+  auto item = MakeItem(&inline_item, 1, 1);
+  std::thread caller([&f, &item] {
+    ASSERT_TRUE(f.batcher.SubmitOrRun(std::move(item)).ok());
+  });
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.SubmitOrRun(MakeItem(&queued, 2, 10)).ok());
+  EXPECT_FALSE(f.state->WaitForWaiting(2, absl::Milliseconds(50)));
+  EXPECT_FALSE(f.batcher.WaitIdle(absl::Now() + absl::Milliseconds(50)));
+  f.batcher.StopAccepting();
+  EXPECT_EQ(f.batcher.SubmitOrRun(MakeItem(&refused, 1, 20)).code(),
+            absl::StatusCode::kUnavailable);
+  std::thread stopper([&f] { f.batcher.Stop(); });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(inline_item->done.HasBeenNotified());
+  f.state->OpenGate();
+  caller.join();
+  stopper.join();
+  ASSERT_TRUE(inline_item->done.HasBeenNotified());
+  EXPECT_TRUE(inline_item->status.ok());
+  ASSERT_TRUE(queued->done.HasBeenNotified());
+  EXPECT_TRUE(queued->status.ok()) << queued->status;
+  EXPECT_THAT(f.state->seeds_computed(), ElementsAre(1u, 10u, 11u));
+}
+
+// With two slots, work queued behind an inline batch runs at once on the
+// other slot.
+TEST(BatcherTest, InlineBatchLeavesTheOtherSlotToTheQueue) {
+  FakeEngineOptions engine;
+  engine.slots = 2;
+  Fixture f(engine);
+  f.batcher.Start();
+  MeasureTheEngine(f);
+  f.state->Reset();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> inline_item, queued;
+  auto item = MakeItem(&inline_item, 1, 1);
+  std::thread caller([&f, &item] {
+    ASSERT_TRUE(f.batcher.SubmitOrRun(std::move(item)).ok());
+  });
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.SubmitOrRun(MakeItem(&queued, 2, 10)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(2, kWait));
+  EXPECT_EQ(f.state->rows_at_gate(), 3);
+  f.state->OpenGate();
+  caller.join();
+  ASSERT_TRUE(queued->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(inline_item->status.ok());
+  EXPECT_TRUE(queued->status.ok()) << queued->status;
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpcpp/create_channel.h"
@@ -116,6 +117,18 @@ absl::Status FakeEngine::Sample(const BatchView& batch,
                                 std::vector<RowResult>* results) {
   absl::Duration delay;
   std::optional<uint64_t> failing_seed;
+  {
+    absl::MutexLock lock(&state_->mu_);
+    // A slot's input buffer belongs to one batch at a time.
+    if (!state_->busy_slots_.insert(batch.slot).second) {
+      return absl::InternalError(
+          absl::StrCat("slot ", batch.slot, " used by two batches at once"));
+    }
+  }
+  absl::Cleanup free_slot = [this, slot = batch.slot] {
+    absl::MutexLock lock(&state_->mu_);
+    state_->busy_slots_.erase(slot);
+  };
   {
     absl::MutexLock lock(&state_->mu_);
     ++state_->waiting_;

@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -65,6 +66,7 @@ class FakeState {
   std::optional<uint64_t> failing_seed_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> seeds_ ABSL_GUARDED_BY(mu_);
   std::vector<int> batch_rows_ ABSL_GUARDED_BY(mu_);
+  std::set<int> busy_slots_ ABSL_GUARDED_BY(mu_);  // slots inside Sample()
 };
 
 struct FakeEngineOptions {
