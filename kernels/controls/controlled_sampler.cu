@@ -1304,7 +1304,10 @@ __global__ void __launch_bounds__(kThreads)
   if (want_sampled || want_lse || top_n > 0) {
     double lse = 0.0;
     if (raw_mode) {
-      // Per-chunk partial sums, combined in chunk order by warp 0.
+      // Per-chunk partial sums, combined in chunk order by warp 0; its
+      // result goes through sh.scratch, which the last BlockReduce's
+      // readers must be done with.
+      __syncthreads();
       if (tid < 32) {
         float top = controls::kNegInf;
         for (int q = tid; q < w.chunks; q += 32)
