@@ -80,6 +80,9 @@ if [[ $mode == tests || $mode == all ]]; then
     run_sanitizer memcheck fused_sampler_gpu_test "$small"
     run_sanitizer racecheck fused_sampler_gpu_test "$small"
     run_sanitizer memcheck cuda_engine_gpu_test '*TokensEqualTheCpuSampler*'
+    # The controlled sampler's kernels (candidate path and full passes).
+    run_sanitizer memcheck controlled_sampler_gpu_test '*V129*:*V1000*'
+    run_sanitizer racecheck controlled_sampler_gpu_test '*V129*:*V1000*'
   else
     summary+=("compute-sanitizer not found: sanitizer runs SKIPPED")
   fi
