@@ -1,12 +1,12 @@
 // End-to-end tests of the CUDA engine: tokens equal the CPU sampler's on
 // small-integer weights (exact logits), with and without sampling controls
 // (tokens, logprobs, top lists and row errors equal the CPU's), at least
-// 99.9% of random rows on real-valued weights, two slots in flight, row chunking for many samples and for
-// large control lists, refusals, tensor parallel over two GPUs with an
-// uneven split giving the same tokens as one GPU (docs/design.md#invariance),
-// a device fault (a trapping kernel, in its own process) and the device
-// memory the engine reports against what the device lost.
-// Every test skips loudly without (enough) GPUs.
+// 99.9% of random rows on real-valued weights, two slots in flight, row
+// chunking for many samples and for large control lists, refusals, tensor
+// parallel over two GPUs with an uneven split giving the same tokens as one GPU
+// (docs/design.md#invariance), a device fault (a trapping kernel, in its own
+// process) and the device memory the engine reports against what the device
+// lost. Every test skips loudly without (enough) GPUs.
 #include <unistd.h>
 
 #include <algorithm>
