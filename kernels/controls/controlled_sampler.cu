@@ -1,8 +1,10 @@
-// The controlled sampler kernel: one CTA per row walks the row's fp32 logits
-// in passes (transform, row statistics, radix-select cuts for top_k and
-// top_p, one Gumbel-max pass per sample, logprobs), each pass a block-wide
-// reduction with a fixed combining order, so the result is a pure function
-// of the row's logits and controls.
+// The controlled sampler's kernels. The candidate path (the chunk and merge
+// kernels, below the full passes) samples every row it can certify from its
+// chunks' highest logits; for the rest, the full passes: one CTA per row
+// walks the row's fp32 logits in passes (transform, row statistics,
+// radix-select cuts for top_k and top_p, one Gumbel-max pass per sample,
+// logprobs), each pass a block-wide reduction with a fixed combining order,
+// so the result is a pure function of the row's logits and controls.
 #include <cuda_runtime.h>
 
 #include <algorithm>
