@@ -106,10 +106,10 @@ FS_HOST_DEVICE bool Disallowed(const uint32_t* bitmask, int32_t id) {
          ((bitmask[static_cast<uint32_t>(id) >> 5] >> (id & 31)) & 1u) == 0;
 }
 
-// True when `id` has an entry among a row's merged entries [begin, end) of
-// `ids` (strictly ascending) and that entry bans it.
-FS_HOST_DEVICE bool SpecialBanned(const int32_t* ids, const uint8_t* flags,
-                                  int64_t begin, int64_t end, int32_t id) {
+// The first of a row's merged entries [begin, end) of `ids` (strictly
+// ascending) whose id is >= `id`; `end` when there is none.
+FS_HOST_DEVICE int64_t SpecialLowerBound(const int32_t* ids, int64_t begin,
+                                         int64_t end, int32_t id) {
   int64_t lo = begin;
   int64_t hi = end;
   while (lo < hi) {
@@ -120,7 +120,15 @@ FS_HOST_DEVICE bool SpecialBanned(const int32_t* ids, const uint8_t* flags,
       hi = mid;
     }
   }
-  return lo < end && ids[lo] == id && (flags[lo] & kSpecialBanned) != 0;
+  return lo;
+}
+
+// True when `id` has an entry among a row's merged entries [begin, end) of
+// `ids` (strictly ascending) and that entry bans it.
+FS_HOST_DEVICE bool SpecialBanned(const int32_t* ids, const uint8_t* flags,
+                                  int64_t begin, int64_t end, int32_t id) {
+  const int64_t at = SpecialLowerBound(ids, begin, end, id);
+  return at < end && ids[at] == id && (flags[at] & kSpecialBanned) != 0;
 }
 
 // The value a raw logprob is taken over (vLLM's raw_logprobs): the raw logit

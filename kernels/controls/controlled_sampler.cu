@@ -655,18 +655,9 @@ __global__ void __launch_bounds__(kChunkThreads)
   for (int i = tid; i < kChunkWarps * kDistanceBins; i += kChunkThreads)
     (&warp_hist[0][0])[i] = 0u;
   if (tid == 0) {
-    // The row's first entry at or after `begin` (ids ascending).
-    int64_t lo = c.special_begin;
-    int64_t hi = c.special_end;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (p.special_ids[mid] < begin) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    first_entry = lo;
+    // The row's first entry at or after `begin`.
+    first_entry = controls::SpecialLowerBound(p.special_ids, c.special_begin,
+                                              c.special_end, begin);
     non_finite = 0;
     cut_bin = kDistanceBins;
     boundary_key = 0u;
@@ -887,16 +878,8 @@ __device__ float ProcessedLogitOf(const ControlledSampleParams& p,
                                   const ControlledRow& c, const float* z,
                                   const uint32_t* bitmask, float inv_t,
                                   int32_t id) {
-  int64_t lo = c.special_begin;
-  int64_t hi = c.special_end;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (p.special_ids[mid] < id) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
+  const int64_t lo = controls::SpecialLowerBound(p.special_ids, c.special_begin,
+                                                 c.special_end, id);
   const bool disallowed = controls::Disallowed(bitmask, id);
   if (lo < c.special_end && p.special_ids[lo] == id) {
     return controls::ScaledLogit(

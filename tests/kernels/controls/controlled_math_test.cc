@@ -188,6 +188,29 @@ TEST(ControlledMathTest, SpecialLogitFollowsTheCpuOrder) {
 // The radix cuts against sorting: every token >= the k-th value of the order
 // (top_k, ties at it kept) and the first token whose cumulative mass reaches
 // ceil(p * total) (top_p), on values with many ties.
+// The entry search the full passes (bans in raw logprobs) and the candidate
+// kernels (a chunk's first entry, an id's processed logit) share.
+TEST(ControlledMathTest, SpecialLowerBoundFindsTheFirstEntryAtOrAbove) {
+  const std::vector<int32_t> ids = {2, 3, 5, 7, 9, 12};
+  const std::vector<uint8_t> flags = {0, controls::kSpecialBanned, 0,
+                                      0, controls::kSpecialBanned, 0};
+  const int64_t end = static_cast<int64_t>(ids.size());
+  for (int32_t id = 0; id <= 14; ++id) {
+    const int64_t expected =
+        std::lower_bound(ids.begin(), ids.end(), id) - ids.begin();
+    EXPECT_EQ(controls::SpecialLowerBound(ids.data(), 0, end, id), expected)
+        << id;
+    EXPECT_EQ(controls::SpecialBanned(ids.data(), flags.data(), 0, end, id),
+              id == 3 || id == 9)
+        << id;
+  }
+  // Within a row's range only: [2, 5) holds ids 5, 7, 9.
+  EXPECT_EQ(controls::SpecialLowerBound(ids.data(), 2, 5, 0), 2);
+  EXPECT_EQ(controls::SpecialLowerBound(ids.data(), 2, 5, 8), 4);
+  EXPECT_EQ(controls::SpecialLowerBound(ids.data(), 2, 5, 10), 5);
+  EXPECT_FALSE(controls::SpecialBanned(ids.data(), flags.data(), 2, 5, 3));
+}
+
 TEST(ControlledMathTest, RadixCutsEqualSortedCuts) {
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 300; ++trial) {
