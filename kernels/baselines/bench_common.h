@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -27,6 +28,29 @@ inline std::vector<std::string> SplitCommas(const std::string& text) {
     begin = end + 1;
   }
   return parts;
+}
+
+// The integers of a comma-separated list ("1,16,64"), each as std::atoi
+// reads it.
+inline std::vector<int> SplitInts(const std::string& text) {
+  std::vector<int> values;
+  for (const std::string& part : SplitCommas(text)) {
+    values.push_back(std::atoi(part.c_str()));
+  }
+  return values;
+}
+
+// True when every batch size is in 1..max_batch; otherwise says which one is
+// not, as `tool`, on stderr.
+inline bool BatchesInRange(const char* tool, const std::vector<int>& batches,
+                           int max_batch) {
+  for (int b : batches) {
+    if (b < 1 || b > max_batch) {
+      std::fprintf(stderr, "%s: batch %d outside 1..%d\n", tool, b, max_batch);
+      return false;
+    }
+  }
+  return true;
 }
 
 // In a function returning bool: prints the failed call and returns false.

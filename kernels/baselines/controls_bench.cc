@@ -59,10 +59,7 @@ bool ParseOptions(int argc, char** argv, Options* options) {
     } else if (flag == "--configs") {
       options->configs = SplitCommas(value);
     } else if (flag == "--batches") {
-      options->batches.clear();
-      for (const std::string& b : SplitCommas(value)) {
-        options->batches.push_back(std::atoi(b.c_str()));
-      }
+      options->batches = SplitInts(value);
     } else if (flag == "--iters") {
       options->iters = std::atoi(value.c_str());
     } else if (flag == "--warmup") {
@@ -78,13 +75,8 @@ bool ParseOptions(int argc, char** argv, Options* options) {
                  argv[argc - 1]);
     return false;
   }
-  for (int b : options->batches) {
-    if (b < 1 || b > kMaxFusedBatch) {
-      std::fprintf(stderr, "fs_controls_bench: batch %d outside 1..%d\n", b,
-                   kMaxFusedBatch);
-      return false;
-    }
-  }
+  if (!BatchesInRange("fs_controls_bench", options->batches, kMaxFusedBatch))
+    return false;
   return options->iters > 0 && options->warmup >= 0;
 }
 

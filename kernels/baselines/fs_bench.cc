@@ -81,10 +81,7 @@ bool ParseOptions(int argc, char** argv, Options* options) {
     } else if (arg == "--configs" && value(&text)) {
       options->configs = SplitCommas(text);
     } else if (arg == "--batches" && value(&text)) {
-      options->batches.clear();
-      for (const std::string& b : SplitCommas(text)) {
-        options->batches.push_back(std::atoi(b.c_str()));
-      }
+      options->batches = SplitInts(text);
     } else if (arg == "--iters" && value(&text)) {
       options->iters = std::atoi(text.c_str());
     } else if (arg == "--warmup" && value(&text)) {
@@ -115,13 +112,8 @@ bool ParseOptions(int argc, char** argv, Options* options) {
                  "fs_bench: --ab names sweep variants; drop --no-sweep\n");
     return false;
   }
-  for (int b : options->batches) {
-    if (b < 1 || b > kMaxFusedBatch) {
-      std::fprintf(stderr, "fs_bench: batch %d outside 1..%d\n", b,
-                   kMaxFusedBatch);
-      return false;
-    }
-  }
+  if (!BatchesInRange("fs_bench", options->batches, kMaxFusedBatch))
+    return false;
   return options->iters > 0 && options->warmup >= 0;
 }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/baselines/allgather_baseline.h"
+#include "kernels/baselines/bench_common.h"
 #include "kernels/sampler/fused_sampler.h"
 #include "kernels/tp/tp_exchange.h"
 #include "kernels/tp/tp_layout.h"
@@ -62,19 +63,6 @@ struct Flags {
   std::string kernel = "auto";
 };
 
-std::vector<std::string> SplitList(const std::string& text) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= text.size()) {
-    const size_t comma = text.find(',', start);
-    const size_t end = comma == std::string::npos ? text.size() : comma;
-    if (end > start) out.push_back(text.substr(start, end - start));
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  return out;
-}
-
 void Usage() {
   std::fprintf(
       stderr,
@@ -92,10 +80,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     const std::string key = arg.substr(2, eq - 2);
     const std::string value = arg.substr(eq + 1);
     if (key == "batches") {
-      f->batches.clear();
-      for (const std::string& b : SplitList(value)) {
-        f->batches.push_back(std::atoi(b.c_str()));
-      }
+      f->batches = SplitInts(value);
     } else if (key == "vocab") {
       f->vocab = std::atoll(value.c_str());
     } else if (key == "hidden") {
@@ -107,14 +92,11 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     } else if (key == "warmup") {
       f->warmup = std::atoi(value.c_str());
     } else if (key == "devices") {
-      f->devices.clear();
-      for (const std::string& d : SplitList(value)) {
-        f->devices.push_back(std::atoi(d.c_str()));
-      }
+      f->devices = SplitInts(value);
     } else if (key == "split") {
       f->split = value;
     } else if (key == "modes") {
-      f->modes = SplitList(value);
+      f->modes = SplitCommas(value);
     } else if (key == "csv") {
       f->csv = value;
     } else if (key == "kernel") {
