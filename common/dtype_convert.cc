@@ -108,29 +108,35 @@ void ConvertDType(DType src_dtype, const void* src, size_t count,
   }
 }
 
+namespace {
+
+// True when none of `count` words at `data` has every bit of `mask` set (an
+// all-ones exponent: Inf or NaN). No early exit, so the compiler vectorizes
+// it: a loop that stopped at the first bad element ran element by element,
+// 19% of the daemon's CPU on 256-row bf16 requests. memcpy reads words at
+// any alignment (request bytes sit in gRPC's slices at odd offsets).
+template <typename Word>
+bool NoExponentAllOnes(const void* data, size_t count, Word mask) {
+  const char* bytes = static_cast<const char*>(data);
+  unsigned bad = 0;
+  for (size_t i = 0; i < count; ++i) {
+    Word word;
+    std::memcpy(&word, bytes + i * sizeof(Word), sizeof(Word));
+    bad |= static_cast<unsigned>((word & mask) == mask);
+  }
+  return bad == 0;
+}
+
+}  // namespace
+
 bool AllFinite(DType dtype, const void* data, size_t count) {
   switch (dtype) {
-    case DType::kBf16: {
-      const auto* words = static_cast<const uint16_t*>(data);
-      for (size_t i = 0; i < count; ++i) {
-        if ((words[i] & 0x7f80u) == 0x7f80u) return false;
-      }
-      return true;
-    }
-    case DType::kFp16: {
-      const auto* words = static_cast<const uint16_t*>(data);
-      for (size_t i = 0; i < count; ++i) {
-        if ((words[i] & 0x7c00u) == 0x7c00u) return false;
-      }
-      return true;
-    }
-    case DType::kFp32: {
-      const auto* words = static_cast<const uint32_t*>(data);
-      for (size_t i = 0; i < count; ++i) {
-        if ((words[i] & 0x7f800000u) == 0x7f800000u) return false;
-      }
-      return true;
-    }
+    case DType::kBf16:
+      return NoExponentAllOnes<uint16_t>(data, count, 0x7f80u);
+    case DType::kFp16:
+      return NoExponentAllOnes<uint16_t>(data, count, 0x7c00u);
+    case DType::kFp32:
+      return NoExponentAllOnes<uint32_t>(data, count, 0x7f800000u);
   }
   return false;
 }

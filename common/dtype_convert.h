@@ -20,7 +20,8 @@ uint16_t FloatToHalf(float value);
 void ConvertDType(DType src_dtype, const void* src, size_t count,
                   DType dst_dtype, void* dst);
 
-// True when every element of `data` (dtype `dtype`) is finite.
+// True when every element of `data` (dtype `dtype`) is finite; `data` may
+// sit at any alignment.
 bool AllFinite(DType dtype, const void* data, size_t count);
 
 }  // namespace flashsampler

@@ -100,34 +100,6 @@ bool SameLogprobs(const LogprobRequest& a, const LogprobRequest& b) {
          a.top_n == b.top_n && a.raw == b.raw;
 }
 
-// True when none of `count` words at `data` has every bit of `mask` set (an
-// all-ones exponent: Inf or NaN). No early exit, so the compiler vectorizes
-// it: common/dtype_convert.h's AllFinite stops at the first bad element and
-// ran element by element, 19% of the daemon's CPU on 256-row bf16 requests.
-template <typename Word>
-bool NoExponentAllOnes(const void* data, size_t count, Word mask) {
-  const char* bytes = static_cast<const char*>(data);
-  unsigned bad = 0;
-  for (size_t i = 0; i < count; ++i) {
-    Word word;
-    std::memcpy(&word, bytes + i * sizeof(Word), sizeof(Word));
-    bad |= static_cast<unsigned>((word & mask) == mask);
-  }
-  return bad == 0;
-}
-
-bool RowFinite(DType dtype, const void* data, size_t count) {
-  switch (dtype) {
-    case DType::kBf16:
-      return NoExponentAllOnes<uint16_t>(data, count, 0x7f80u);
-    case DType::kFp16:
-      return NoExponentAllOnes<uint16_t>(data, count, 0x7c00u);
-    case DType::kFp32:
-      return NoExponentAllOnes<uint32_t>(data, count, 0x7f800000u);
-  }
-  return false;
-}
-
 // Finds the first row of `data` ([rows, hidden] of `dtype`) that is not
 // finite, or -1. When the engine computes in a narrower dtype, a value that
 // is finite on the wire but overflows in the conversion counts as non-finite.
@@ -138,10 +110,10 @@ int FirstNonFiniteRow(DType dtype, const void* data, int rows, int64_t hidden,
   std::vector<uint16_t> converted(narrows ? hidden : 0);
   for (int r = 0; r < rows; ++r) {
     const void* row = static_cast<const char*>(data) + r * row_bytes;
-    if (!RowFinite(dtype, row, hidden)) return r;
+    if (!AllFinite(dtype, row, hidden)) return r;
     if (narrows) {
       ConvertDType(dtype, row, hidden, input_dtype, converted.data());
-      if (!RowFinite(input_dtype, converted.data(), hidden)) return r;
+      if (!AllFinite(input_dtype, converted.data(), hidden)) return r;
     }
   }
   return -1;
@@ -168,7 +140,7 @@ int FirstNonFiniteRowInPieces(DType dtype,
         position += piece.size();
         continue;
       }
-      if (!RowFinite(dtype, straddle, 1)) {
+      if (!AllFinite(dtype, straddle, 1)) {
         return static_cast<int>((position + at - 1) / row_bytes);
       }
       straddle_bytes = 0;
@@ -180,7 +152,7 @@ int FirstNonFiniteRowInPieces(DType dtype,
       const size_t row_end = (offset / row_bytes + 1) * row_bytes;
       const size_t whole = (piece.size() - at) / element;
       const size_t count = std::min(whole, (row_end - offset) / element);
-      if (!RowFinite(dtype, piece.data() + at, count)) {
+      if (!AllFinite(dtype, piece.data() + at, count)) {
         return static_cast<int>(offset / row_bytes);
       }
       at += count * element;

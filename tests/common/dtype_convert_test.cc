@@ -199,5 +199,14 @@ TEST(DtypeConvertTest, AllFiniteFindsInfAndNanInEachDtype) {
   EXPECT_TRUE(AllFinite(DType::kFp32, nullptr, 0));
 }
 
+// Request bytes reach the check where gRPC's slices left them, at any offset.
+TEST(DtypeConvertTest, AllFiniteReadsUnalignedData) {
+  const float values[3] = {1.0f, std::numeric_limits<float>::infinity(), 2.0f};
+  std::vector<char> bytes(1 + sizeof(values));
+  std::memcpy(bytes.data() + 1, values, sizeof(values));
+  EXPECT_TRUE(AllFinite(DType::kFp32, bytes.data() + 1, 1));
+  EXPECT_FALSE(AllFinite(DType::kFp32, bytes.data() + 1, 3));
+}
+
 }  // namespace
 }  // namespace flashsampler
