@@ -351,7 +351,12 @@ def tokens_and_seeds(
 
 class ClientConfig:
     """Settings both clients validate and hold the same way (see
-    FlashSamplerClient for their meaning)."""
+    FlashSamplerClient for their meaning), and the channel and method
+    handles they open the same way from their gRPC module."""
+
+    # The module whose channels a client opens: grpc for the blocking
+    # client, grpc.aio for the asyncio one.
+    _grpc: Any = grpc
 
     def __init__(self, target: str, timeout: float = 10.0, retries: int = 3,
                  backoff: float = 0.05, max_backoff: float = 2.0,
@@ -394,6 +399,29 @@ class ClientConfig:
                 root_certificates=_read(root_certificates),
                 private_key=_read(private_key),
                 certificate_chain=_read(certificate_chain))
+        if self._credentials is not None:
+            self._channel = self._grpc.secure_channel(
+                target, self._credentials, self._options)
+        else:
+            self._channel = self._grpc.insecure_channel(target,
+                                                        self._options)
+        channel = self._channel
+        self._sample = channel.unary_unary(
+            SAMPLE,
+            request_serializer=sampler_pb2.SampleRequest.SerializeToString,
+            response_deserializer=sampler_pb2.SampleResponse.FromString)
+        self._sample_stream = channel.stream_stream(
+            SAMPLE_STREAM,
+            request_serializer=sampler_pb2.SampleRequest.SerializeToString,
+            response_deserializer=sampler_pb2.SampleResponse.FromString)
+        self._model_info = channel.unary_unary(
+            GET_MODEL_INFO,
+            request_serializer=sampler_pb2.GetModelInfoRequest
+            .SerializeToString,
+            response_deserializer=sampler_pb2.ModelInfo.FromString)
+        self._health_check = channel.unary_unary(
+            HEALTH_CHECK, request_serializer=encode_health_request,
+            response_deserializer=decode_health_response)
 
     def _deadline_budget(self, timeout: Optional[float]) -> float:
         return self.timeout if timeout is None else float(timeout)

@@ -19,10 +19,8 @@ import grpc.aio
 
 from flashsampler.v1 import sampler_pb2
 from flashsampler_client._common import (
-    GET_MODEL_INFO, HEALTH_CHECK, SAMPLE, SAMPLE_STREAM, ClientConfig,
-    DeadlineExceededError, FlashSamplerError, HiddenStates, PemSource,
-    RowValues, Seeds, Tokens, check_response, decode_health_response,
-    encode_health_request, to_error, tokens_and_seeds)
+    ClientConfig, DeadlineExceededError, FlashSamplerError, HiddenStates,
+    RowValues, Seeds, Tokens, check_response, to_error, tokens_and_seeds)
 
 # Codes retried with backoff: the call was not accepted by the server.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -108,44 +106,7 @@ class AsyncFlashSamplerClient(ClientConfig):
     names, arguments and return values, each call a coroutine (streams:
     async iterators). See flashsampler_client.FlashSamplerClient."""
 
-    def __init__(self, target: str, timeout: float = 10.0, retries: int = 3,
-                 backoff: float = 0.05, max_backoff: float = 2.0,
-                 jitter: float = 0.2, root_certificates: PemSource = None,
-                 private_key: PemSource = None,
-                 certificate_chain: PemSource = None, tls: bool = False,
-                 server_name_override: Optional[str] = None,
-                 lb_policy: str = "round_robin",
-                 max_message_bytes: int = 256 << 20,
-                 wait_for_ready: bool = False) -> None:
-        super().__init__(target, timeout=timeout, retries=retries,
-                         backoff=backoff, max_backoff=max_backoff,
-                         jitter=jitter, root_certificates=root_certificates,
-                         private_key=private_key,
-                         certificate_chain=certificate_chain, tls=tls,
-                         server_name_override=server_name_override,
-                         lb_policy=lb_policy,
-                         max_message_bytes=max_message_bytes,
-                         wait_for_ready=wait_for_ready)
-        if self._credentials is not None:
-            self._channel = grpc.aio.secure_channel(target, self._credentials,
-                                                    self._options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, self._options)
-        channel = self._channel
-        self._sample = channel.unary_unary(
-            SAMPLE, request_serializer=_Request.SerializeToString,
-            response_deserializer=_Response.FromString)
-        self._sample_stream = channel.stream_stream(
-            SAMPLE_STREAM, request_serializer=_Request.SerializeToString,
-            response_deserializer=_Response.FromString)
-        self._model_info = channel.unary_unary(
-            GET_MODEL_INFO,
-            request_serializer=sampler_pb2.GetModelInfoRequest
-            .SerializeToString,
-            response_deserializer=sampler_pb2.ModelInfo.FromString)
-        self._health_check = channel.unary_unary(
-            HEALTH_CHECK, request_serializer=encode_health_request,
-            response_deserializer=decode_health_response)
+    _grpc = grpc.aio
 
     async def close(self) -> None:
         await self._channel.close()

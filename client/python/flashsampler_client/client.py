@@ -16,14 +16,8 @@ import grpc
 
 from flashsampler.v1 import sampler_pb2
 from flashsampler_client._common import (
-    GET_MODEL_INFO, HEALTH_CHECK, SAMPLE, SAMPLE_STREAM, ClientConfig,
-    DeadlineExceededError, FlashSamplerError, HiddenStates, PemSource,
-    RowValues, Seeds, Tokens, check_response)
-from flashsampler_client._common import \
-    decode_health_response as _decode_health_response
-from flashsampler_client._common import \
-    encode_health_request as _encode_health_request
-from flashsampler_client._common import to_error, tokens_and_seeds
+    ClientConfig, DeadlineExceededError, FlashSamplerError, HiddenStates,
+    RowValues, Seeds, Tokens, check_response, to_error, tokens_and_seeds)
 
 __all__ = ["FlashSamplerClient", "SampleStream", "check_response",
            "sampler_pb2"]
@@ -118,45 +112,6 @@ class FlashSamplerClient(ClientConfig):
     server_name_override: name expected in the server certificate.
     Thread-safe: one client (one channel) serves every thread.
     """
-
-    def __init__(self, target: str, timeout: float = 10.0, retries: int = 3,
-                 backoff: float = 0.05, max_backoff: float = 2.0,
-                 jitter: float = 0.2, root_certificates: PemSource = None,
-                 private_key: PemSource = None,
-                 certificate_chain: PemSource = None, tls: bool = False,
-                 server_name_override: Optional[str] = None,
-                 lb_policy: str = "round_robin",
-                 max_message_bytes: int = 256 << 20,
-                 wait_for_ready: bool = False) -> None:
-        super().__init__(target, timeout=timeout, retries=retries,
-                         backoff=backoff, max_backoff=max_backoff,
-                         jitter=jitter, root_certificates=root_certificates,
-                         private_key=private_key,
-                         certificate_chain=certificate_chain, tls=tls,
-                         server_name_override=server_name_override,
-                         lb_policy=lb_policy,
-                         max_message_bytes=max_message_bytes,
-                         wait_for_ready=wait_for_ready)
-        if self._credentials is not None:
-            self._channel = grpc.secure_channel(target, self._credentials,
-                                                self._options)
-        else:
-            self._channel = grpc.insecure_channel(target, self._options)
-        channel = self._channel
-        self._sample = channel.unary_unary(
-            SAMPLE, request_serializer=_Request.SerializeToString,
-            response_deserializer=_Response.FromString)
-        self._sample_stream = channel.stream_stream(
-            SAMPLE_STREAM, request_serializer=_Request.SerializeToString,
-            response_deserializer=_Response.FromString)
-        self._model_info = channel.unary_unary(
-            GET_MODEL_INFO,
-            request_serializer=sampler_pb2.GetModelInfoRequest
-            .SerializeToString,
-            response_deserializer=sampler_pb2.ModelInfo.FromString)
-        self._health_check = channel.unary_unary(
-            HEALTH_CHECK, request_serializer=_encode_health_request,
-            response_deserializer=_decode_health_response)
 
     def close(self) -> None:
         self._channel.close()

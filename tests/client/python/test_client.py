@@ -17,7 +17,7 @@ import numpy as np
 from flashsampler.v1 import sampler_pb2, sampler_pb2_grpc
 import flashsampler_client
 from flashsampler_client import _common
-from flashsampler_client import client as client_module
+from flashsampler_client import _common
 
 
 def _pb_bytes(number: int, payload: bytes) -> bytes:
@@ -368,18 +368,18 @@ class MutualTlsTest(unittest.TestCase):
 class HealthCodecTest(unittest.TestCase):
 
     def test_round_trip(self):
-        self.assertEqual(client_module._encode_health_request(""), b"")
-        self.assertEqual(client_module._encode_health_request("ab"),
+        self.assertEqual(_common.encode_health_request(""), b"")
+        self.assertEqual(_common.encode_health_request("ab"),
                          b"\x0a\x02ab")
         long_name = "x" * 200
-        encoded = client_module._encode_health_request(long_name)
+        encoded = _common.encode_health_request(long_name)
         self.assertEqual(encoded[:3], b"\x0a\xc8\x01")
-        self.assertEqual(client_module._decode_health_response(b""), "UNKNOWN")
-        self.assertEqual(client_module._decode_health_response(b"\x08\x01"),
+        self.assertEqual(_common.decode_health_response(b""), "UNKNOWN")
+        self.assertEqual(_common.decode_health_response(b"\x08\x01"),
                          "SERVING")
         # Unknown fields are skipped.
         self.assertEqual(
-            client_module._decode_health_response(b"\x12\x01z\x08\x02"),
+            _common.decode_health_response(b"\x12\x01z\x08\x02"),
             "NOT_SERVING")
 
 
