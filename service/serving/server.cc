@@ -588,11 +588,17 @@ void Server::Stop() {
     absl::MutexLock lock(&health_mu_);
     if (stopped_) return;
     stopped_ = true;
-    SetServing(false);  // 1
   }
   const absl::Time deadline = absl::Now() + options_.drain_timeout;
-  batcher_->StopAccepting();  // 2
+  // Refuse new work before health says NOT_SERVING, so that a caller who
+  // sees NOT_SERVING is refused too; in the other order a call could slip
+  // in between and wait behind the drain.
+  batcher_->StopAccepting();  // 1
   service_->BeginDrain();
+  {
+    absl::MutexLock lock(&health_mu_);
+    SetServing(false);  // 2
+  }
   batcher_->WaitIdle(deadline);  // 3
   grpc::Server* server;
   {
