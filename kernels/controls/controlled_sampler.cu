@@ -220,6 +220,18 @@ __device__ controls::OrderCut SelectCut(const float* x, int32_t vocab,
   return controls::OrderCut{true, v, static_cast<int32_t>(~id.key)};
 }
 
+// Writes sample j's winning key as a token id (thread 0's job): a greedy
+// row's single argmax fills all n samples.
+__device__ void StoreWinner(unsigned long long winner, bool greedy, int n,
+                            int j, int32_t* tokens) {
+  const int32_t id = controls::PackedKeyId(winner);
+  if (greedy) {
+    for (int k = 0; k < n; ++k) tokens[k] = id;
+  } else {
+    tokens[j] = id;
+  }
+}
+
 // Marks row `r` failed: status, error token, no tokens, no top list.
 __device__ void FailRow(const ControlledSampleParams& p, int r, int32_t status,
                         int32_t token) {
@@ -411,14 +423,7 @@ __global__ void __launch_bounds__(kThreads)
       FailRow(p, r, kControlledAllMasked, -1);
       return;
     }
-    if (tid == 0) {
-      const int32_t id = controls::PackedKeyId(winner);
-      if (greedy) {
-        for (int k = 0; k < c.n; ++k) tokens[k] = id;
-      } else {
-        tokens[j] = id;
-      }
-    }
+    if (tid == 0) StoreWinner(winner, greedy, c.n, j, tokens);
   }
 
   // Logprobs: log-softmax of x over the survivors, or of the raw logits
@@ -1273,14 +1278,7 @@ __global__ void __launch_bounds__(kThreads)
         !(controls::PackedKeyValue(winner) > unseen_best)) {
       return;
     }
-    if (tid == 0) {
-      const int32_t id = controls::PackedKeyId(winner);
-      if (greedy) {
-        for (int k = 0; k < c.n; ++k) tokens[k] = id;
-      } else {
-        tokens[j] = id;
-      }
-    }
+    if (tid == 0) StoreWinner(winner, greedy, c.n, j, tokens);
   }
 
   // Logprobs, as the full passes: raw over the masked raw logits, else over
