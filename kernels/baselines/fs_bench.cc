@@ -294,7 +294,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                       FusedKernel::kMmaSync, block_n));
     }
     if (auto_path == FusedKernel::kWgmma) {  // only where wgmma runs
-      for (int block_n : {16, 64, 128}) {
+      for (int block_n : {16, 64, 80, 96, 112, 128}) {
         Variant narrow =
             MakeVariant(std::string("fused_wgmma_n") + std::to_string(block_n),
                         FusedKernel::kWgmma, block_n);

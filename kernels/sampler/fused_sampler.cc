@@ -105,6 +105,10 @@ cudaError_t EncodeTensorMap(
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The width of two equal batch tiles that cover `batch` (129..256): the
+// batch's half rounded up to the epilogue's 16 columns, 80 to 128.
+int BalancedBlockN(int batch) { return ((batch + 1) / 2 + 15) / 16 * 16; }
+
 // Batch columns per work item. Small batches are memory-bound: the narrowest
 // tile that covers the batch reads W once. Larger ones need wide tiles to
 // reuse each W tile across rows, and the persistent grid's time is its
@@ -115,10 +119,15 @@ cudaError_t EncodeTensorMap(
 //   B = 17..64: 16 while 3 x its rounds < 8 x the 64-wide rounds (B <= 32,
 //     and shards whose 64-wide last round is mostly empty: qwen TP8 6-11%);
 //   B = 65..128: 64 on <= 5 vocab tiles per SM (TP shards, 12-20%), else 128;
-//   B = 129..192: 64 at D >= 8192 (llama, 6-24%) or where 128-wide items
-//     give each SM <= 2.5 (qwen TP8: 82 vs 96 us), else 128;
-//   B = 193..256: 128.
-// fs_bench --ab pairs on H200 (docs/performance.md).
+//   B = 129..256 on > 5 vocab tiles per SM (a whole vocabulary): two equal
+//     tiles (BalancedBlockN), so that the pair of CTAs that share a vocab
+//     tile's W multiply no empty columns: qwen B = 136 432 against 700 us
+//     for 128 + 128 and llama B = 136 768 against 865 for 64-wide tiles
+//     (H100, docs/performance.md);
+//   shards, B = 129..192: 64 at D >= 8192 (llama TP8, 24%) or where 128-wide
+//     items give each SM <= 2.5 (qwen TP8: 82 vs 96 us), else 128;
+//   shards, B = 193..256: 128 (its half-empty last round splits).
+// fs_bench --ab pairs on H200 unless stated (docs/performance.md).
 int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
                   int hidden_size, int multiprocessors) {
   if (batch <= 16) return 16;
@@ -132,6 +141,7 @@ int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
   }
   if (batch <= 64 || path == FusedKernel::kMmaSync) return 64;
   if (batch <= 128) return tiles <= 5 * sms ? 64 : 128;
+  if (tiles > 5 * sms) return BalancedBlockN(batch);
   if (batch <= 192) {
     const int64_t items_of_128 = tiles * 2;
     if (hidden_size >= 8192 ||
@@ -146,7 +156,10 @@ int DefaultBlockN(FusedKernel path, int batch, int64_t vocab_rows,
 // for the 16-wide tiles up to B = 32 (1-2.6% faster) and for the 64-wide
 // tiles at B > 128 and D >= 8192 (15-21% faster on llama's shapes), else 64
 // (1.9-3.5% faster on the 128-wide tiles at B = 256). fs_bench --ab pairs
-// on H200 (docs/performance.md); the same k order, so the same bits.
+// on H200 (docs/performance.md); the same k order, so the same bits. The
+// two-tile widths 80..112 keep 64 at D >= 8192 too: 768 against 985 us
+// (80, B = 136), 768 against 859 (96, B = 168) and 796 against 927 (112,
+// B = 200) on llama, fs_bench's sweep on an H100.
 int DefaultWgmmaStageK(int block_n, int batch, int hidden_size) {
   if (block_n == 16 && batch <= 32) return 128;
   if (block_n == 64 && batch > 128 && hidden_size >= 8192) return 128;
@@ -193,6 +206,22 @@ cudaError_t LaunchMmaFor(int block_n, const FusedArgs& args,
   }
 }
 
+// The wgmma kernel's batch tile widths (instantiated in
+// fused_sampler_wgmma_{bf16,fp16}.cu).
+bool IsWgmmaBlockN(int block_n) {
+  switch (block_n) {
+    case 16:
+    case 64:
+    case 80:
+    case 96:
+    case 112:
+    case 128:
+      return true;
+    default:
+      return false;
+  }
+}
+
 template <DType kDType, int kHalves>
 cudaError_t LaunchWgmmaFor(int block_n, const FusedArgs& args,
                            const CUtensorMap& map_w, const CUtensorMap* maps_h,
@@ -205,6 +234,15 @@ cudaError_t LaunchWgmmaFor(int block_n, const FusedArgs& args,
     case 64:
       return fused::LaunchWgmma<kDType, 64, kHalves>(args, &map_w, maps_h, grid,
                                                      stream);
+    case 80:
+      return fused::LaunchWgmma<kDType, 80, kHalves>(args, &map_w, maps_h, grid,
+                                                     stream);
+    case 96:
+      return fused::LaunchWgmma<kDType, 96, kHalves>(args, &map_w, maps_h, grid,
+                                                     stream);
+    case 112:
+      return fused::LaunchWgmma<kDType, 112, kHalves>(args, &map_w, maps_h,
+                                                      grid, stream);
     case 128:
       return fused::LaunchWgmma<kDType, 128, kHalves>(args, &map_w, maps_h,
                                                       grid, stream);
@@ -331,9 +369,7 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
     });
   }
   if (ResolveAuto() != FusedKernel::kWgmma) return cudaErrorNotSupported;
-  if (block_n != 16 && block_n != 64 && block_n != 128) {
-    return cudaErrorNotSupported;
-  }
+  if (!IsWgmmaBlockN(block_n)) return cudaErrorNotSupported;
   CUtensorMap map_w;
   // H in boxes of block_n rows, and of block_n / 2 rows for the half pieces
   // of a split last round (block_n 128 only; a copy of the first map
@@ -343,7 +379,7 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   // there), 256 B at block_n 128 (neither won consistently). fs_bench --ab
   // pairs on H200 (docs/performance.md).
   const int promotion_bytes = tuning.w_l2_promotion != 0 ? tuning.w_l2_promotion
-                              : block_n == 128           ? 256
+                              : block_n >= 80            ? 256
                                                          : 128;
   CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   if (promotion_bytes == 128) {

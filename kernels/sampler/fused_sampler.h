@@ -33,7 +33,8 @@ enum class L2Hint { kAuto, kEvictFirst, kEvictNormal };
 struct FusedTuning {
   // Tensor-core path; kAuto: the device's one path.
   FusedKernel kernel = FusedKernel::kAuto;
-  // Batch columns per work item: 0 = the heuristic; else 16, 64 or 128.
+  // Batch columns per work item: 0 = the heuristic; else 16, 64 or 128, and
+  // on the wgmma path also 80, 96 or 112.
   int block_n = 0;
   // wgmma W loads' L2 hint; kAuto: evict-first on small shards at block_n 16.
   L2Hint w_l2_hint = L2Hint::kAuto;

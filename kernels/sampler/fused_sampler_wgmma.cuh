@@ -286,13 +286,20 @@ __global__ void __launch_bounds__(384, 1)
                 "H multicast: pairs of 128-column tiles");
   // The CTA's last piece ends on an epilogue that no other consumer's
   // wgmmas hide (~15 us at B = 256: docs/performance.md). Its owner stages the
-  // accumulators of the piece's second half of columns in the drained ring, and
-  // the other consumer, done with its own pieces by then, scores those while
-  // the owner scores the first half. For kBlockN >= 64 (each consumer's share
-  // is then 32 columns or more; kBlockN 16 has a short epilogue).
+  // accumulators of the piece's last quads (16 columns each) in the drained
+  // ring, and the other consumer, done with its own pieces by then, scores
+  // those while the owner scores the first ones: the owner keeps half the
+  // quads, rounded up (3 of the 5 at kBlockN 80). For kBlockN >= 64
+  // (each consumer's share is then 32 columns or more; kBlockN 16 has a short
+  // epilogue).
   constexpr bool kShareLastEpilogue = kBlockN >= 64;
-  // Staged quads (16 columns) per warp: half of the widest piece.
-  constexpr int kSharedQuads = kBlockN / 32;
+  // Quads the owner of a whole piece keeps; the rest, staged per warp, are
+  // the most any piece stages (a half piece of a kCanSplit width stages
+  // half as many: its columns split evenly).
+  constexpr int kOwnerQuads = (kBlockN / 16 + 1) / 2;
+  constexpr int kSharedQuads = kBlockN / 16 - kOwnerQuads;
+  static_assert(!WorkSchedule<kBlockN>::kCanSplit || kBlockN % 64 == 0,
+                "half pieces split into two whole quad halves");
   static_assert(!kShareLastEpilogue ||
                     4 * kSharedQuads * kQuadStagingFloats * sizeof(float) <=
                         kStages * Config::kStageBytesA,
@@ -502,10 +509,10 @@ __global__ void __launch_bounds__(384, 1)
     }
 
     const int64_t row0 = tile * kTileRows + warp * 16;
-    // Scored here: all columns, or the first half of the last piece's.
+    // Scored here: all columns, or the owner's quads of the last piece.
     int own_columns = columns;
     if (share && j == pieces - 1) {
-      own_columns = columns / 2;
+      own_columns = kBlockN % 32 == 0 ? columns / 2 : 16 * kOwnerQuads;
       // The ring is drained once the other consumer's wgmmas are done too
       // (it handed the ring over on receiving its last stage, before its
       // wgmmas read it): every stage was consumed and the producer has no
@@ -513,16 +520,18 @@ __global__ void __launch_bounds__(384, 1)
       if (pieces >= 2) ptx::NamedBarrier(kRingDrainedBarrier, 256);
       float* shared_staging = reinterpret_cast<float*>(smem_a) +
                               warp * kSharedQuads * kQuadStagingFloats;
-      // Quad kSharedQuads + q of a whole piece, or kSharedQuads / 2 + q of
-      // a half piece: a select between two unrolled constants (an index
-      // computed from own_columns here made ptxas spill the accumulators).
+      // Quad kOwnerQuads + q of a whole piece, or kSharedQuads / 2 + q of a
+      // half piece: a select between two unrolled constants (an index
+      // computed from own_columns here, or the same select written for
+      // both kinds of widths, made ptxas spill the 128-wide accumulators).
 #pragma unroll
       for (int q = 0; q < kSharedQuads; ++q) {
-        if (q < own_columns / 16) {
+        if (q < (kBlockN % 32 == 0 ? own_columns / 16 : kSharedQuads)) {
           float frags[2][2][4];
           ReadBlockQuad(acc0, acc1,
-                        own_columns == kBlockN / 2 ? kSharedQuads + q
-                                                   : kSharedQuads / 2 + q,
+                        own_columns == kBlockN / 2 || kBlockN % 32 != 0
+                            ? kOwnerQuads + q
+                            : kSharedQuads / 2 + q,
                         frags);
           StageFragmentQuad(frags, shared_staging + q * kQuadStagingFloats);
         }
@@ -574,11 +583,13 @@ __global__ void __launch_bounds__(384, 1)
   }
   if (kShareLastEpilogue && args.tuning.share_last_epilogue &&
       consumer != (pieces - 1) % 2) {
-    // The second half of the columns of the CTA's last piece, which the
-    // other consumer owns, from the quads it staged.
+    // The last columns of the CTA's last piece, which the other consumer
+    // owns, from the quads it staged.
     const WorkPiece piece = schedule.PieceAt(pieces - 1, blockIdx.x, gridDim.x);
-    const int half_columns = (piece.half ? kBlockN / 2 : kBlockN) / 2;
-    const int batch_base = piece.col0 + half_columns;
+    const int owner_columns = piece.half ? kBlockN / 4 : 16 * kOwnerQuads;
+    const int staged_columns =
+        (piece.half ? kBlockN / 2 : kBlockN) - owner_columns;
+    const int batch_base = piece.col0 + owner_columns;
     LoadColumnParams(args, batch_base, thread, 128, epilogue);
     const float* shared_staging = reinterpret_cast<const float*>(smem_a) +
                                   warp * kSharedQuads * kQuadStagingFloats;
@@ -592,14 +603,14 @@ __global__ void __launch_bounds__(384, 1)
                      epilogue);
       ptx::NamedBarrier(epilogue_barrier, 128);
 #pragma unroll 1
-      for (int q = 0; q < half_columns / 16; ++q) {
+      for (int q = 0; q < staged_columns / 16; ++q) {
         ScoreStagedQuad(
             shared_staging + q * kQuadStagingFloats, row0, q * 16, sample,
             sample == 0, batch_base, args, epilogue,
             FloorOfKey(StagedLaneKey(args, sample, batch_base, q * 16)));
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
-      StoreCandidates(args, piece.tile, sample, batch_base, half_columns,
+      StoreCandidates(args, piece.tile, sample, batch_base, staged_columns,
                       thread, 128, epilogue);
     }
   }

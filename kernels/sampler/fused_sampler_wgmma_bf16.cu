@@ -18,6 +18,24 @@ template cudaError_t LaunchWgmma<DType::kBf16, 64, 1>(const FusedArgs&,
 template cudaError_t LaunchWgmma<DType::kBf16, 64, 2>(const FusedArgs&,
                                                       const void*, const void*,
                                                       int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 80, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 80, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 96, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 96, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 112, 1>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 112, 2>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
 template cudaError_t LaunchWgmma<DType::kBf16, 128, 1>(const FusedArgs&,
                                                        const void*, const void*,
                                                        int, cudaStream_t);

@@ -16,6 +16,24 @@ template cudaError_t LaunchWgmma<DType::kFp16, 64, 1>(const FusedArgs&,
 template cudaError_t LaunchWgmma<DType::kFp16, 64, 2>(const FusedArgs&,
                                                       const void*, const void*,
                                                       int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 80, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 80, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 96, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 96, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 112, 1>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kFp16, 112, 2>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
 template cudaError_t LaunchWgmma<DType::kFp16, 128, 1>(const FusedArgs&,
                                                        const void*, const void*,
                                                        int, cudaStream_t);

@@ -120,11 +120,11 @@ struct KernelConfig {
 
 inline std::vector<KernelConfig> ConfigsOf(FusedKernel kernel) {
   std::vector<KernelConfig> configs;
-  for (int block_n : {16, 64, 128}) {
+  for (int block_n : {16, 64, 80, 96, 112, 128}) {
     if (kernel == FusedKernel::kWgmma) {
       configs.push_back({block_n, 64});
       configs.push_back({block_n, 128});
-    } else {
+    } else if (block_n == 16 || block_n == 64 || block_n == 128) {
       configs.push_back({block_n, 0});
     }
   }

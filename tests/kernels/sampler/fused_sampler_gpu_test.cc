@@ -606,7 +606,7 @@ TEST_F(FusedSamplerWgmmaGpuTest, HiddenRowsPastTheBatchChangeNoBit) {
   Problem problem;
   ASSERT_TRUE(Upload(weights, hidden, kVocab, kHidden, DType::kBf16, inv_t,
                      seeds, steps, &problem));
-  for (int block_n : {0, 16, 64, 128}) {
+  for (int block_n : {0, 16, 64, 80, 96, 112, 128}) {
     for (int batch : {1, 17, 100, 136, 200}) {
       SCOPED_TRACE(::testing::Message()
                    << "block_n " << block_n << " batch " << batch);
