@@ -121,9 +121,9 @@ int BalancedBlockN(int batch) { return ((batch + 1) / 2 + 15) / 16 * 16; }
 //   B = 65..128: 64 on <= 5 vocab tiles per SM (TP shards, 12-20%), else 128;
 //   B = 129..256 on > 5 vocab tiles per SM (a whole vocabulary): two equal
 //     tiles (BalancedBlockN), so that the pair of CTAs that share a vocab
-//     tile's W multiply no empty columns: qwen B = 136 432 against 700 us
-//     for 128 + 128 and llama B = 136 768 against 865 for 64-wide tiles
-//     (H100, docs/performance.md);
+//     tile's W multiply at most 31 empty columns instead of up to 127:
+//     qwen B = 136 432 against 700 us for 128 + 128 and llama B = 136 752
+//     against 865 for 64-wide tiles (H100, docs/performance.md);
 //   shards, B = 129..192: 64 at D >= 8192 (llama TP8, 24%) or where 128-wide
 //     items give each SM <= 2.5 (qwen TP8: 82 vs 96 us), else 128;
 //   shards, B = 193..256: 128 (its half-empty last round splits).
@@ -376,8 +376,9 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   // otherwise).
   CUtensorMap maps_h[2];
   // Default promotion: 128 B at block_n 16 and 64 (2-3% faster than 256 B
-  // there), 256 B at block_n 128 (neither won consistently). fs_bench --ab
-  // pairs on H200 (docs/performance.md).
+  // there), 256 B at block_n 128 (neither won consistently) and at the
+  // two-tile widths 80..112, which stream W like it (not compared
+  // separately). fs_bench --ab pairs on H200 (docs/performance.md).
   const int promotion_bytes = tuning.w_l2_promotion != 0 ? tuning.w_l2_promotion
                               : block_n >= 80            ? 256
                                                          : 128;

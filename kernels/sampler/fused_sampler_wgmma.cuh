@@ -14,8 +14,9 @@
 // noise, pruned exactly: fused_epilogue.cuh) runs while the other's wgmmas
 // run, and the producer streams W across piece boundaries without draining
 // the ring. With kBlockN >= 64 the CTA's last piece is scored by both
-// consumers (its owner hands half of its columns to the other through
-// shared memory; FusedTuning::share_last_epilogue).
+// consumers (its owner hands its last 16-column quads, half of them rounded
+// down, to the other through shared memory; FusedTuning::
+// share_last_epilogue).
 //
 // Items go round-robin to the persistent CTAs (WorkSchedule). Where the
 // last round would leave more than half the SMs idle, its 128-wide items
