@@ -56,6 +56,8 @@ Batcher::Batcher(Engine* engine, const BatcherOptions& options,
                                                ? engine->info().max_batch_rows
                                                : options.max_batch_rows))),
       max_queue_rows_(options.max_queue_rows),
+      overlap_min_rows_(
+          std::max(0, std::min(options.overlap_min_rows, max_batch_rows_))),
       input_row_bytes_(engine->info().hidden_size *
                        DTypeSize(engine->info().input_dtype)) {}
 
@@ -146,6 +148,7 @@ absl::Status Batcher::SubmitOrRun(std::unique_ptr<BatchItem> item) {
     inline_slot_ = kSlot;
     ++inline_running_;
     ++running_;
+    ++executing_;
   }
   std::vector<std::unique_ptr<BatchItem>> items;
   items.push_back(std::move(item));
@@ -153,6 +156,7 @@ absl::Status Batcher::SubmitOrRun(std::unique_ptr<BatchItem> item) {
   {
     absl::MutexLock lock(&mu_);
     inline_slot_ = -1;
+    --executing_;
     if (!queue_.empty()) work_cv_.SignalAll();
   }
   for (Completion& c : completions) {
@@ -219,9 +223,11 @@ void Batcher::WorkerLoop(int slot) {
     std::vector<std::unique_ptr<BatchItem>> items;
     {
       absl::MutexLock lock(&mu_);
-      // The slot is not ours while an inline batch holds it.
+      // The slot is not ours while an inline batch holds it, and a batch
+      // below overlap_min_rows_ waits for the one executing.
       const auto can_take = [&] {
-        return !queue_.empty() && inline_slot_ != slot;
+        return !queue_.empty() && inline_slot_ != slot &&
+               (executing_ == 0 || queued_rows_ >= overlap_min_rows_);
       };
       while (!can_take() && !(queue_.empty() && state_ == State::kStopped)) {
         work_cv_.Wait(&mu_);
@@ -236,11 +242,19 @@ void Batcher::WorkerLoop(int slot) {
       }
       queued_rows_ -= rows;
       ++running_;
+      ++executing_;
       metrics_->SetQueueRows(queued_rows_);
       // Another slot may take what is left.
       if (!queue_.empty()) WakeWorker();
     }
-    Complete(RunBatch(slot, std::move(items)));
+    std::vector<Completion> completions = RunBatch(slot, std::move(items));
+    {
+      absl::MutexLock lock(&mu_);
+      --executing_;
+      // Rows held back by overlap_min_rows_ may go now, on any free slot.
+      if (!queue_.empty()) work_cv_.SignalAll();
+    }
+    Complete(std::move(completions));
   }
 }
 

@@ -153,6 +153,7 @@ class Batcher {
   const std::function<void(const absl::Status&)> on_fatal_;
   const int max_batch_rows_;
   const int64_t max_queue_rows_;
+  const int overlap_min_rows_;    // BatcherOptions, clamped to max_batch_rows_
   const size_t input_row_bytes_;  // D x sizeof(engine input dtype)
 
   mutable absl::Mutex mu_;
@@ -164,6 +165,8 @@ class Batcher {
   std::deque<std::unique_ptr<BatchItem>> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
+  // Batches inside Engine::Sample (running_ also counts delivery).
+  int executing_ ABSL_GUARDED_BY(mu_) = 0;
   // The slot an inline batch holds (its worker waits), or -1.
   int inline_slot_ ABSL_GUARDED_BY(mu_) = -1;
   // Inline batches not yet fully delivered; Stop() waits for none.

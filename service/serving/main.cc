@@ -52,6 +52,8 @@ ABSL_FLAG(int, max_batch_rows, kDefaults.batcher.max_batch_rows,
           "Most rows per engine batch and per request");
 ABSL_FLAG(int64_t, max_queue_rows, kDefaults.batcher.max_queue_rows,
           "Rows that may wait for a batch; beyond: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, overlap_min_rows, kDefaults.batcher.overlap_min_rows,
+          "Queued rows that may launch beside an executing batch (0: any)");
 ABSL_FLAG(int, max_stream_in_flight, kDefaults.max_stream_in_flight,
           "Requests of one SampleStream accepted but not yet answered");
 ABSL_FLAG(int, max_samples_per_row, kDefaults.limits.max_samples_per_row,
@@ -104,6 +106,7 @@ flashsampler::ServerOptions OptionsFromFlags() {
       absl::GetFlag(FLAGS_keepalive_min_client_ping_interval);
   o.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
   o.batcher.max_queue_rows = absl::GetFlag(FLAGS_max_queue_rows);
+  o.batcher.overlap_min_rows = absl::GetFlag(FLAGS_overlap_min_rows);
   o.max_stream_in_flight = absl::GetFlag(FLAGS_max_stream_in_flight);
   o.limits.max_samples_per_row = absl::GetFlag(FLAGS_max_samples_per_row);
   o.limits.max_top_logprobs = absl::GetFlag(FLAGS_max_top_logprobs);

@@ -357,6 +357,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::CreateImpl(
     return absl::InvalidArgumentError(
         "max_batch_rows and max_queue_rows: must be >= 1");
   }
+  if (options.batcher.overlap_min_rows < 0) {
+    return absl::InvalidArgumentError("overlap_min_rows: must be >= 0");
+  }
   return std::unique_ptr<Server>(
       new Server(options, std::move(weights), std::move(engine),
                  std::move(weights_source), std::move(prepared)));

@@ -328,10 +328,14 @@ TEST(BatcherTest, ConvertsIntoTheEngineInputDtype) {
               ElementsAre(FakeToken(1.5f + kHidden, 6, 0, 0, kVocab)));
 }
 
+// With overlap_min_rows 0, a free slot takes a single queued row beside the
+// executing batch.
 TEST(BatcherTest, OneWorkerPerSlotRunsBatchesConcurrently) {
   FakeEngineOptions engine;
   engine.slots = 2;
-  Fixture f(engine);
+  BatcherOptions options;
+  options.overlap_min_rows = 0;
+  Fixture f(engine, options);
   f.batcher.Start();
   f.state->CloseGate();
   std::shared_ptr<Outcome> a, b;
@@ -343,6 +347,59 @@ TEST(BatcherTest, OneWorkerPerSlotRunsBatchesConcurrently) {
   ASSERT_TRUE(a->done.WaitForNotificationWithTimeout(kWait));
   ASSERT_TRUE(b->done.WaitForNotificationWithTimeout(kWait));
   EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 1));
+}
+
+// BatcherOptions::overlap_min_rows: while a batch executes, fewer queued
+// rows than that stay queued (a second slot is free), and they launch
+// together once enough have come or the executing batch returns.
+TEST(BatcherTest, RowsBelowOverlapMinRowsWaitForTheExecutingBatch) {
+  FakeEngineOptions engine;
+  engine.slots = 2;
+  BatcherOptions options;
+  options.overlap_min_rows = 3;
+  Fixture f(engine, options);
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> a, b, c, d, e;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&a, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&b, 1, 2)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&c, 1, 3)).ok());
+  // Two rows queued, the second slot free: nothing launches.
+  EXPECT_FALSE(f.state->WaitForWaiting(2, absl::Milliseconds(200)));
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&d, 1, 4)).ok());
+  // Three rows: they launch beside the executing batch.
+  ASSERT_TRUE(f.state->WaitForWaiting(2, kWait));
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&e, 1, 5)).ok());
+  f.state->OpenGate();
+  for (const auto* o : {&a, &b, &c, &d, &e}) {
+    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
+    EXPECT_TRUE((*o)->status.ok()) << (*o)->status;
+  }
+  // The last row waited for one of the two batches and went out alone.
+  EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 3, 1));
+}
+
+TEST(BatcherTest, RowsHeldBackByOverlapMinRowsGoWhenTheBatchReturns) {
+  FakeEngineOptions engine;
+  engine.slots = 2;
+  BatcherOptions options;
+  options.overlap_min_rows = 64;
+  Fixture f(engine, options);
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> a, b, c;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&a, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&b, 2, 2)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&c, 1, 4)).ok());
+  EXPECT_FALSE(f.state->WaitForWaiting(2, absl::Milliseconds(200)));
+  f.state->OpenGate();
+  for (const auto* o : {&a, &b, &c}) {
+    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
+    EXPECT_TRUE((*o)->status.ok()) << (*o)->status;
+  }
+  EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 3));
 }
 
 // Regression: a batch's answers were delivered on the slot's worker, so the
@@ -470,12 +527,14 @@ TEST(BatcherTest, InlineBatchHoldsItsSlotAndCountsAsRunning) {
   EXPECT_THAT(f.state->seeds_computed(), ElementsAre(1u, 10u, 11u));
 }
 
-// With two slots, work queued behind an inline batch runs at once on the
-// other slot.
+// With two slots (and overlap_min_rows 0), work queued behind an inline
+// batch runs at once on the other slot.
 TEST(BatcherTest, InlineBatchLeavesTheOtherSlotToTheQueue) {
   FakeEngineOptions engine;
   engine.slots = 2;
-  Fixture f(engine);
+  BatcherOptions options;
+  options.overlap_min_rows = 0;
+  Fixture f(engine, options);
   f.batcher.Start();
   MeasureTheEngine(f);
   f.state->Reset();

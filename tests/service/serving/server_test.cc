@@ -496,6 +496,30 @@ TEST(ServerTest, MaxReceiveSizeFollowsTheModel) {
   ASSERT_TRUE(Call(f, MakeRequest(1, kHidden, 1), &response).ok());
 }
 
+TEST(ServerTest, BatcherOptionsOutOfRangeAreRefusedNamingTheField) {
+  struct Case {
+    const char* field;
+    void (*apply)(BatcherOptions*);
+  };
+  const Case cases[] = {
+      {"max_batch_rows", [](BatcherOptions* b) { b->max_batch_rows = 0; }},
+      {"max_queue_rows", [](BatcherOptions* b) { b->max_queue_rows = 0; }},
+      {"overlap_min_rows", [](BatcherOptions* b) { b->overlap_min_rows = -1; }},
+  };
+  for (const Case& c : cases) {
+    ServerOptions options = TestServerOptions();
+    c.apply(&options.batcher);
+    auto server = Server::CreateWithEngine(
+        options, std::make_unique<testing::FakeEngine>(
+                     std::make_shared<testing::FakeState>(),
+                     testing::FakeEngineOptions()));
+    ASSERT_FALSE(server.ok()) << c.field;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(server.status().message(), c.field))
+        << server.status();
+  }
+}
+
 TEST(ServerTest, BadListenAddressFailsStart) {
   ServerOptions options = TestServerOptions();
   FakeServer first = Start(options);
