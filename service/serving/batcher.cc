@@ -56,8 +56,11 @@ Batcher::Batcher(Engine* engine, const BatcherOptions& options,
                                                ? engine->info().max_batch_rows
                                                : options.max_batch_rows))),
       max_queue_rows_(options.max_queue_rows),
-      overlap_min_rows_(
-          std::max(0, std::min(options.overlap_min_rows, max_batch_rows_))),
+      // A threshold the queue or one batch cannot reach would keep every
+      // batch but the first waiting.
+      overlap_min_rows_(static_cast<int>(std::max<int64_t>(
+          0, std::min<int64_t>({options.overlap_min_rows, max_batch_rows_,
+                                options.max_queue_rows})))),
       input_row_bytes_(engine->info().hidden_size *
                        DTypeSize(engine->info().input_dtype)) {}
 
@@ -113,6 +116,16 @@ void Batcher::Enqueue(std::unique_ptr<BatchItem> item) {
   queue_.push_back(std::move(item));
   metrics_->SetQueueRows(queued_rows_);
   WakeWorker();
+}
+
+int64_t Batcher::HeadBatchRows(int64_t limit) const {
+  int64_t rows = 0;
+  for (const std::unique_ptr<BatchItem>& item : queue_) {
+    if (rows + item->rows > max_batch_rows_) break;
+    rows += item->rows;
+    if (rows >= limit) break;
+  }
+  return rows;
 }
 
 void Batcher::WakeWorker() {
@@ -227,7 +240,8 @@ void Batcher::WorkerLoop(int slot) {
       // below overlap_min_rows_ waits for the one executing.
       const auto can_take = [&] {
         return !queue_.empty() && inline_slot_ != slot &&
-               (executing_ == 0 || queued_rows_ >= overlap_min_rows_);
+               (executing_ == 0 ||
+                HeadBatchRows(overlap_min_rows_) >= overlap_min_rows_);
       };
       while (!can_take() && !(queue_.empty() && state_ == State::kStopped)) {
         work_cv_.Wait(&mu_);
@@ -251,8 +265,9 @@ void Batcher::WorkerLoop(int slot) {
     {
       absl::MutexLock lock(&mu_);
       --executing_;
-      // Rows held back by overlap_min_rows_ may go now, on any free slot.
-      if (!queue_.empty()) work_cv_.SignalAll();
+      // Rows held back by overlap_min_rows_ may go now, on any free slot;
+      // once stopping, a worker held back may have nothing left to wait for.
+      if (!queue_.empty() || state_ == State::kStopped) work_cv_.SignalAll();
     }
     Complete(std::move(completions));
   }
@@ -451,6 +466,9 @@ void Batcher::FailAll(const absl::Status& status) {
     queued.swap(queue_);
     queued_rows_ = 0;
     metrics_->SetQueueRows(0);
+    // Workers held back from these rows (overlap_min_rows_) must see the
+    // queue empty, or Stop() would wait for them forever.
+    work_cv_.SignalAll();
   }
   const absl::Time now = absl::Now();
   for (std::unique_ptr<BatchItem>& item : queued) {

@@ -134,6 +134,9 @@ class Batcher {
   absl::Status Admit(const BatchItem& item) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Enqueue(std::unique_ptr<BatchItem> item)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rows the next batch would take from the head of the queue, counted up to
+  // `limit` (the walk stops there).
+  int64_t HeadBatchRows(int64_t limit) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Wakes a worker that can take queued work (all of them while a slot is
   // held by an inline batch, whose worker must not take the wake-up).
   void WakeWorker() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -153,7 +156,8 @@ class Batcher {
   const std::function<void(const absl::Status&)> on_fatal_;
   const int max_batch_rows_;
   const int64_t max_queue_rows_;
-  const int overlap_min_rows_;    // BatcherOptions, clamped to max_batch_rows_
+  // BatcherOptions', clamped to max_batch_rows_ and max_queue_rows_.
+  const int overlap_min_rows_;
   const size_t input_row_bytes_;  // D x sizeof(engine input dtype)
 
   mutable absl::Mutex mu_;
