@@ -50,21 +50,29 @@ struct SharedState {
   int bad_id;
 };
 
-// Block-wide reduction of one value per thread; the warps' partials are
-// combined in warp order by every thread, so the result (and, for doubles,
-// its rounding) does not depend on scheduling. Every thread must call it.
-template <typename T, typename Op>
-__device__ T BlockReduce(T value, Op op, SharedState& sh) {
+// Block-wide reduction of one value per thread over a block of kBlockWarps
+// warps, through one slot per warp; the warps' partials are combined in warp
+// order by every thread, so the result (and, for doubles, its rounding) does
+// not depend on scheduling. Every thread must call it.
+template <int kBlockWarps, typename T, typename Op>
+__device__ T BlockReduceInSlots(T value, Op op, T* warp_slots) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1)
     value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  T* slots = reinterpret_cast<T*>(sh.scratch);
   __syncthreads();  // the previous reduction's readers are done
-  if ((threadIdx.x & 31) == 0) slots[threadIdx.x >> 5] = value;
+  if ((threadIdx.x & 31) == 0) warp_slots[threadIdx.x >> 5] = value;
   __syncthreads();
-  T result = slots[0];
-  for (int w = 1; w < kWarps; ++w) result = op(result, slots[w]);
+  T result = warp_slots[0];
+  for (int w = 1; w < kBlockWarps; ++w) result = op(result, warp_slots[w]);
   return result;
+}
+
+// The full passes' and the merge kernel's reduction (kThreads), through
+// sh.scratch.
+template <typename T, typename Op>
+__device__ T BlockReduce(T value, Op op, SharedState& sh) {
+  return BlockReduceInSlots<kWarps>(value, op,
+                                    reinterpret_cast<T*>(sh.scratch));
 }
 
 struct MaxFloat {
@@ -616,19 +624,6 @@ __device__ int BlockExclusiveScan(int count, int* warp_slots, int* total) {
   return before + inclusive - count;
 }
 
-template <int kBlockWarps, typename T, typename Op>
-__device__ T SmallBlockReduce(T value, Op op, T* warp_slots) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1)
-    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) warp_slots[threadIdx.x >> 5] = value;
-  __syncthreads();
-  T result = warp_slots[0];
-  for (int w = 1; w < kBlockWarps; ++w) result = op(result, warp_slots[w]);
-  return result;
-}
-
 // The chunk's first reduction: eligible tokens (sum), their highest value
 // and the highest allowed raw logit (max), non-finite logits (or), one
 // barrier for all four (warps in order, so the result is fixed).
@@ -839,7 +834,7 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
             raw_sum, static_cast<double>(expf(FS_FSUB(raws[j], chunk_max))));
       }
     }
-    raw_sum = SmallBlockReduce<kChunkWarps>(
+    raw_sum = BlockReduceInSlots<kChunkWarps>(
         raw_sum, [](double a, double b) { return __dadd_rn(a, b); },
         double_slots);
   }
@@ -854,7 +849,7 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
         tail_sum = FS_FADD(tail_sum, expf(FS_FSUB(x, tail_top)));
       }
     }
-    tail_sum = SmallBlockReduce<kChunkWarps>(
+    tail_sum = BlockReduceInSlots<kChunkWarps>(
         tail_sum, [](float a, float b) { return FS_FADD(a, b); },
         reinterpret_cast<float*>(double_slots));
   }
