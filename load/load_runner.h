@@ -52,7 +52,10 @@ struct LoadResult {
 std::vector<double> PoissonArrivals(double rate, double horizon_s,
                                     uint64_t seed);
 
-// Sends `request` again and again as `options` says. A response whose
+// Sends `request` again and again as `options` says. Closed-loop unary
+// callers of clients without retries (retry.max_attempts 1) send the
+// request's bytes serialized once, so that the generator's cost per call is
+// gRPC's, not a fresh encoding of the hidden states. A response whose
 // token count is not rows x n counts as DATA_LOSS, one whose `error` is set
 // (SampleStream) as that error's code. InvalidArgument for options out of
 // range (`stream` is for the closed loop only).

@@ -20,6 +20,7 @@
 #include "service/serving/server.h"
 
 ABSL_FLAG(std::string, listen_address, "127.0.0.1:50051", "gRPC address");
+ABSL_FLAG(std::string, unix_socket, "", "also serve on this Unix socket");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1", "metrics address");
 ABSL_FLAG(int, metrics_port, 0, "Prometheus port; 0 = none");
 ABSL_FLAG(int64_t, vocab, 151936, "V the engine claims");
@@ -56,7 +57,11 @@ class NullEngine final : public Engine {
   void* slot_input(int slot) override { return inputs_[slot].data(); }
   absl::Status Sample(const BatchView& batch,
                       std::vector<RowResult>* results) override {
-    if (delay_ > absl::ZeroDuration()) absl::SleepFor(delay_);
+    // Spins, as the CUDA engine's thread does while the GPU runs (a sleep
+    // overshoots by tens of microseconds).
+    const absl::Time until = absl::Now() + delay_;
+    while (absl::Now() < until) {
+    }
     results->resize(static_cast<size_t>(batch.rows));
     for (int r = 0; r < batch.rows; ++r) {
       RowResult& row = (*results)[r];
@@ -84,6 +89,7 @@ int Main(int argc, char** argv) {
 
   ServerOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen_address);
+  options.unix_socket = absl::GetFlag(FLAGS_unix_socket);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);

@@ -14,6 +14,8 @@ time at the same batch sizes when fs_bench results are given.
   # the same with sampling controls on every request:
   load/service_bench.py ... --grid callers --load_arg=--top_k=50 \
       --load_arg=--top_p=0.9 --load_arg=--min_p=0.05
+  # over a Unix socket instead of loopback TCP (callers on the same host):
+  load/service_bench.py ... --unix_socket
   # the service path alone (engine answers at once):
   load/service_bench.py --daemon build/bin/flashsamplerd_null_engine \\
       --load build/bin/fs_load --backend null --out /tmp/sb
@@ -25,7 +27,10 @@ staging, response encoding and the two gRPC hops); the kernel's time at the
 nearest batch size when --kernel_csv (fs_bench results.csv) is given;
 the daemon's CPU time (user + system) and context switches (all its
 threads) over the point, per answered request (warm-up calls included on
-both sides). Exit status 1 when any point had errors or the daemon failed.
+both sides); fs_load's CPU time per answered request; and how busy the
+host's CPUs were over the point (all processes; near 100% the host, not
+the service, is the limit, and fs_load shares it). Exit status 1 when any
+point had errors or the daemon failed.
 
 Only the standard library: it runs on the GPU machines as they are.
 """
@@ -34,10 +39,12 @@ import argparse
 import csv
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -104,6 +111,20 @@ def process_usage(pid):
     return cpu_s, switches
 
 
+def host_cpu():
+    """Jiffies the host's CPUs spent busy and in total so far (/proc/stat's
+    first line; idle and iowait count as idle)."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+def children_cpu_s():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def wait_serving(port, metrics_port, daemon, deadline_s):
     """True once the metrics endpoint answers and the gRPC port accepts (the
     metrics endpoint comes up first, while the gRPC server still starts)."""
@@ -162,6 +183,9 @@ def main():
     parser.add_argument("--kernel_csv", default="",
                         help="fs_bench results.csv: the kernel alone")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--unix_socket", action="store_true",
+                        help="fs_load calls the daemon over a Unix socket "
+                        "(--unix_socket) instead of loopback TCP")
     parser.add_argument("--daemon_arg", action="append", default=[])
     parser.add_argument("--load_arg", action="append", default=[],
                         help="passed to every fs_load run, e.g. "
@@ -177,6 +201,13 @@ def main():
                f"--metrics_port={metrics_port}", "--metrics_address=127.0.0.1"]
     if args.backend != "null":
         command += [f"--backend={args.backend}", f"--weights={args.weights}"]
+    target = f"127.0.0.1:{port}"
+    if args.unix_socket:
+        # Under /tmp: a socket path must fit in 108 bytes.
+        socket_path = os.path.join(tempfile.mkdtemp(prefix="fs_sb_"),
+                                   "sampler.sock")
+        command.append(f"--unix_socket={socket_path}")
+        target = f"unix:{socket_path}"
     daemon = subprocess.Popen(command + args.daemon_arg, stdout=log,
                               stderr=subprocess.STDOUT, env=env)
     failed = False
@@ -193,7 +224,7 @@ def main():
         rows_out = []
         for mode, amount, rows in grid:
             label = f"{mode}-{amount}-{rows}"
-            command = [args.load, f"--target=127.0.0.1:{port}",
+            command = [args.load, f"--target={target}",
                        f"--mode={mode}", f"--rows={rows}",
                        f"--duration={args.duration}",
                        f"--warmup={args.warmup}", f"--summary_csv={summary}",
@@ -207,8 +238,10 @@ def main():
             command += args.load_arg
             before = scrape(metrics_port)
             usage_before = process_usage(daemon.pid)
+            host_before, load_before = host_cpu(), children_cpu_s()
             done = subprocess.run(command, capture_output=True, text=True,
                                   env=env)
+            host_after, load_after = host_cpu(), children_cpu_s()
             usage_after = process_usage(daemon.pid)
             after = scrape(metrics_port)
             answered = (after.get((HISTOGRAMS[3], "count"), 0) -
@@ -228,6 +261,10 @@ def main():
                            if answered > 0 else float("nan")),
                 "switches": ((usage_after[1] - usage_before[1]) / answered
                              if answered > 0 else float("nan")),
+                "load_cpu_us": (1e6 * (load_after - load_before) / answered
+                                if answered > 0 else float("nan")),
+                "host_busy": (100.0 * (host_after[0] - host_before[0]) /
+                              max(1, host_after[1] - host_before[1])),
             })
         with open(summary) as f:
             load_rows = {row["label"]: row for row in csv.DictReader(f)}
@@ -236,7 +273,8 @@ def main():
         header = ["point", "req_per_s", "rows_per_s", "p50_ms", "p99_ms",
                   "errors", "queue_ms", "execute_ms", "overhead_ms",
                   "batch_rows", "kernel_ms_at_batch", "daemon_cpu_us_per_req",
-                  "switches_per_req"]
+                  "switches_per_req", "load_cpu_us_per_req",
+                  "host_cpu_busy_pct"]
         with open(table, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(header)
@@ -253,7 +291,9 @@ def main():
                           fmt(extra["queue_ms"]), fmt(extra["execute_ms"]),
                           fmt(overhead), fmt(extra["batch_rows"], 1),
                           fmt(nearest(kernel, extra["batch_rows"])),
-                          fmt(extra["cpu_us"], 1), fmt(extra["switches"], 2)]
+                          fmt(extra["cpu_us"], 1), fmt(extra["switches"], 2),
+                          fmt(extra["load_cpu_us"], 1),
+                          fmt(extra["host_busy"], 0)]
                 writer.writerow(values)
                 print("| " + " | ".join(values) + " |")
         if daemon.poll() is not None:

@@ -32,6 +32,9 @@ const flashsampler::ServerOptions kDefaults;
 
 ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
           "gRPC listen address host:port (port 0 = any free port)");
+ABSL_FLAG(std::string, unix_socket, kDefaults.unix_socket,
+          "Also serve gRPC on a Unix socket at this path (callers on the same "
+          "host: target unix:<path>); empty = none");
 ABSL_FLAG(int, metrics_port, kDefaults.metrics_port,
           "Prometheus /metrics port; 0 = no metrics endpoint");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
@@ -95,6 +98,7 @@ namespace {
 flashsampler::ServerOptions OptionsFromFlags() {
   flashsampler::ServerOptions o;
   o.listen_address = absl::GetFlag(FLAGS_listen_address);
+  o.unix_socket = absl::GetFlag(FLAGS_unix_socket);
   o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   o.tls.cert_path = absl::GetFlag(FLAGS_tls_cert);
@@ -291,7 +295,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   Log(absl::StrCat("serving on port ", (*server)->port(), " (",
-                   options.listen_address, ")"));
+                   options.listen_address, ")",
+                   options.unix_socket.empty()
+                       ? ""
+                       : absl::StrCat(" and unix:", options.unix_socket)));
 
   // Wait for a stop signal, checking once a second that gRPC still accepts.
   int signal_number = -1;

@@ -7,6 +7,9 @@
 #include <openssl/pem.h>
 #include <openssl/sha.h>
 #include <openssl/x509.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -360,6 +363,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::CreateImpl(
   if (options.batcher.overlap_min_rows < 0) {
     return absl::InvalidArgumentError("overlap_min_rows: must be >= 0");
   }
+  if (options.unix_socket.size() >= sizeof(sockaddr_un::sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unix_socket: the path must be shorter than ",
+        sizeof(sockaddr_un::sun_path), " bytes, got ",
+        options.unix_socket.size()));
+  }
   return std::unique_ptr<Server>(
       new Server(options, std::move(weights), std::move(engine),
                  std::move(weights_source), std::move(prepared)));
@@ -501,6 +510,26 @@ absl::Status Server::StartMetrics() {
   return absl::OkStatus();
 }
 
+namespace {
+
+// True when a process accepts connections on the Unix socket at `path`.
+// gRPC removes a socket file it finds at the path before binding, which
+// would silently take the path over from a daemon still serving on it.
+bool UnixSocketInUse(const std::string& path) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_un address = {};
+  address.sun_family = AF_UNIX;
+  path.copy(address.sun_path, sizeof(address.sun_path) - 1);
+  const bool connected =
+      connect(fd, reinterpret_cast<const sockaddr*>(&address),
+              sizeof(address)) == 0;
+  close(fd);
+  return connected;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -512,6 +541,16 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
                       MakeCredentials(options_.tls));
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.listen_address, credentials, &port_);
+  int unix_bound = 0;  // gRPC reports 1 for a bound Unix socket
+  if (!options_.unix_socket.empty()) {
+    if (UnixSocketInUse(options_.unix_socket)) {
+      return absl::UnavailableError(
+          absl::StrCat("unix_socket: ", options_.unix_socket,
+                       " is in use by another process"));
+    }
+    builder.AddListeningPort(absl::StrCat("unix:", options_.unix_socket),
+                             credentials, &unix_bound);
+  }
   builder.RegisterService(service_.get());
   builder.SetMaxReceiveMessageSize(max_receive_bytes_);
   // Without this, Linux gRPC sets SO_REUSEPORT and a second daemon on the
@@ -528,13 +567,20 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
       GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
       ToMillis(keepalive.min_client_ping_interval));
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // gRPC binds the ports in the order added and fails the whole build at
+  // the first that does not bind, leaving the later ones at 0.
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port_ == 0) {
+  const bool unix_failed = !options_.unix_socket.empty() && unix_bound == 0;
+  if (server != nullptr && port_ != 0 && !unix_failed) return server;
+  if (server != nullptr) server->Shutdown();
+  if (port_ != 0 && unix_failed) {
     return absl::UnavailableError(absl::StrCat(
-        "listen_address: cannot listen on ", options_.listen_address,
-        " (in use, or not a valid address)"));
+        "unix_socket: cannot listen on ", options_.unix_socket,
+        " (no such directory, or not writable)"));
   }
-  return server;
+  return absl::UnavailableError(absl::StrCat(
+      "listen_address: cannot listen on ", options_.listen_address,
+      " (in use, or not a valid address)"));
 }
 
 absl::Status Server::Start() {

@@ -61,6 +61,13 @@ struct BatcherOptions {
 struct ServerOptions {
   // gRPC listen address. Port 0 picks a free port (see Server::port()).
   std::string listen_address = "0.0.0.0:50051";
+  // Also serve on a Unix socket at this path (empty = none): callers on the
+  // same host (a sidecar, a pod sharing the volume) reach the daemon without
+  // a TCP port, and the socket file's permissions decide who may. Same
+  // services and credentials as listen_address. Not a speed-up on the
+  // measured H100 host (docs/performance.md#service). A socket at the path
+  // that still accepts is refused; a stale one is replaced.
+  std::string unix_socket;
   // Prometheus text exposition on http://<metrics_address>:<metrics_port>/
   // metrics. 0 = no metrics endpoint (the registry still exists in-process).
   int metrics_port = 9400;

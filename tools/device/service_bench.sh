@@ -41,6 +41,10 @@ python3 "$root/load/service_bench.py" --daemon "$bundle/bin/flashsamplerd" \
   --weights synthetic:vocab=151936,hidden=4096,seed=1,dtype=bf16 \
   --kernel_csv "$out/kernel/results.csv" --out "$out" "$@"
 status=$?
+null_args=()
+for arg in "$@"; do
+  [[ $arg == --unix_socket ]] && null_args+=("$arg")
+done
 if [[ -x $bundle/bin/flashsamplerd_null_engine ]]; then
   # The same serving path on an engine that answers at once: the ceiling of
   # the service and of fs_load on this machine, without the GPU.
@@ -48,6 +52,6 @@ if [[ -x $bundle/bin/flashsamplerd_null_engine ]]; then
   python3 "$root/load/service_bench.py" \
     --daemon "$bundle/bin/flashsamplerd_null_engine" \
     --load "$bundle/bin/fs_load" --backend null --grid callers \
-    --duration 4s --warmup 1s --out "$out/null" || status=1
+    --duration 4s --warmup 1s --out "$out/null" "${null_args[@]}" || status=1
 fi
 exit $status

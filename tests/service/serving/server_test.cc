@@ -4,7 +4,12 @@
 // errors, health, reflection, ModelInfo and the metric families.
 #include "service/serving/server.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -532,6 +537,96 @@ TEST(ServerTest, BadListenAddressFailsStart) {
   const absl::Status status = (*second)->Start();
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(status.message(), "listen_address"));
+}
+
+std::unique_ptr<v1::Sampler::Stub> UnixStub(const std::string& path) {
+  return v1::Sampler::NewStub(grpc::CreateChannel(
+      absl::StrCat("unix:", path), grpc::InsecureChannelCredentials()));
+}
+
+TEST(ServerTest, ServesOnAUnixSocketBesideTheTcpPortAndRemovesIt) {
+  ServerOptions options = TestServerOptions();
+  options.unix_socket = testing::MakeTempDir() + "/sampler.sock";
+  FakeServer f = Start(options);
+  ASSERT_TRUE(std::filesystem::is_socket(options.unix_socket));
+  std::unique_ptr<v1::Sampler::Stub> stub = UnixStub(options.unix_socket);
+  const v1::SampleRequest request = MakeRequest(2, kHidden, 5, 1.0f);
+  v1::SampleResponse over_unix, over_tcp;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kWait));
+  const grpc::Status status = stub->Sample(&context, request, &over_unix);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_TRUE(Call(f, request, &over_tcp).ok());
+  EXPECT_THAT(over_unix.token_ids(),
+              ElementsAreArray(ExpectedFakeTokens(request, kVocab)));
+  EXPECT_THAT(over_unix.token_ids(), ElementsAreArray(over_tcp.token_ids()));
+  f.server->Stop();
+  EXPECT_FALSE(std::filesystem::exists(options.unix_socket));
+}
+
+TEST(ServerTest, AUnixSocketStillServingIsRefusedAndAStaleOneReplaced) {
+  ServerOptions options = TestServerOptions();
+  options.unix_socket = testing::MakeTempDir() + "/sampler.sock";
+  FakeServer first = Start(options);
+  auto second = Server::CreateWithEngine(
+      options, std::make_unique<testing::FakeEngine>(
+                   std::make_shared<testing::FakeState>(),
+                   testing::FakeEngineOptions()));
+  ASSERT_TRUE(second.ok());
+  const absl::Status status = (*second)->Start();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(status.message(), "unix_socket"));
+  EXPECT_TRUE(absl::StrContains(status.message(), "in use"));
+  // The first still answers on it.
+  v1::SampleResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kWait));
+  EXPECT_TRUE(UnixStub(options.unix_socket)
+                  ->Sample(&context, MakeRequest(1, kHidden, 1), &response)
+                  .ok());
+  first.server->Stop();
+
+  // A socket file nobody accepts on (a daemon killed with SIGKILL leaves
+  // one) does not stop the next daemon.
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un address = {};
+  address.sun_family = AF_UNIX;
+  options.unix_socket.copy(address.sun_path, sizeof(address.sun_path) - 1);
+  ASSERT_EQ(bind(fd, reinterpret_cast<const sockaddr*>(&address),
+                 sizeof(address)),
+            0);
+  close(fd);
+  ASSERT_TRUE(std::filesystem::is_socket(options.unix_socket));
+  FakeServer next = Start(options);
+  grpc::ClientContext again;
+  again.set_deadline(absl::ToChronoTime(absl::Now() + kWait));
+  EXPECT_TRUE(UnixStub(options.unix_socket)
+                  ->Sample(&again, MakeRequest(1, kHidden, 1), &response)
+                  .ok());
+}
+
+TEST(ServerTest, UnixSocketErrorsNameTheField) {
+  ServerOptions options = TestServerOptions();
+  options.unix_socket = "/" + std::string(200, 'a');
+  auto too_long = Server::CreateWithEngine(
+      options, std::make_unique<testing::FakeEngine>(
+                   std::make_shared<testing::FakeState>(),
+                   testing::FakeEngineOptions()));
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(too_long.status().message(), "unix_socket"));
+
+  options.unix_socket = testing::MakeTempDir() + "/no/such/dir/sampler.sock";
+  auto server = Server::CreateWithEngine(
+      options, std::make_unique<testing::FakeEngine>(
+                   std::make_shared<testing::FakeState>(),
+                   testing::FakeEngineOptions()));
+  ASSERT_TRUE(server.ok());
+  const absl::Status status = (*server)->Start();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(status.message(), "unix_socket"))
+      << status;
 }
 
 }  // namespace
