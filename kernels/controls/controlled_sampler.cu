@@ -548,9 +548,9 @@ constexpr int kChunkCandidates = 64;
 // most logits share a handful of bins) keeps shared-memory atomics apart.
 constexpr int kDistanceBins = 256;
 constexpr float kBinsPerLogit = 8.0f;
-// The merge kernel's candidates per thread (registers): rows of up to
-// 512 x 16 / 64 = 128 chunks (V <= 262144) take the candidate path.
-constexpr int kMergeSlotsPerThread = 16;
+// The candidate slots the merge kernel holds (shared memory): rows of up to
+// 8192 / 64 = 128 chunks (V <= 262144) take the candidate path.
+constexpr int kMergeCandidateRoom = 8192;
 // The row's per-token entries the merge kernel holds; rows with more take
 // the full passes.
 constexpr int kMergeEntryRoom = 2048;
@@ -939,6 +939,15 @@ __device__ float ProcessedLogitOf(const ControlledSampleParams& p,
 
 struct MergeShared {
   SharedState sh;  // BlockReduce's scratch
+  // The candidates above the bound, slot s = chunk * kChunkCandidates + k:
+  // raw logit and id, -1 where the slot holds none. In shared memory and
+  // visited by rolled loops: held in registers, every pass over them was
+  // unrolled 16 times and the kernel's code (253 KB) missed the instruction
+  // cache (Nsight Compute at B = 1: 31% of stall samples waiting for
+  // instructions). The processed logit is recomputed from the raw one.
+  float cand_raw[kMergeCandidateRoom];
+  int32_t cand_id[kMergeCandidateRoom];
+  int32_t chunk_written[kMergeCandidateRoom / kChunkCandidates];
   int32_t entry_id[kMergeEntryRoom];
   float entry_x[kMergeEntryRoom];
   float entry_raw[kMergeEntryRoom];
@@ -1007,7 +1016,7 @@ __global__ void __launch_bounds__(kThreads)
       (top_n > 0 && (p.top_token_ids == nullptr || p.top_logprobs == nullptr ||
                      p.top_count == nullptr)) ||
       entries > kMergeEntryRoom ||
-      w.chunks * kChunkCandidates > kThreads * kMergeSlotsPerThread) {
+      w.chunks * kChunkCandidates > kMergeCandidateRoom) {
     return;  // the full passes report or take it
   }
   const ChunkSummary* summaries =
@@ -1040,26 +1049,23 @@ __global__ void __launch_bounds__(kThreads)
       outside ? controls::KeyValue(bound_key) : controls::kNegInf;
   const float x_bound = controls::ScaledLogit(raw_bound, inv_t);
 
-  // The candidates above the bound, in registers: slot tid + k * kThreads.
-  int32_t cid[kMergeSlotsPerThread];
-  float cx[kMergeSlotsPerThread];  // processed; -inf = no candidate
-  float craw[kMergeSlotsPerThread];
+  // The candidates above the bound, into shared memory. Each slot's raw
+  // logit and id are loaded together, unconditionally (every slot of the
+  // row's workspace exists), so that a thread's loads are all in flight at
+  // once; the chunks' counts say which slots were written.
   const int slots = w.chunks * kChunkCandidates;
-#pragma unroll
-  for (int k = 0; k < kMergeSlotsPerThread; ++k) {
-    const int s = tid + k * kThreads;
-    cid[k] = -1;
-    cx[k] = controls::kNegInf;
-    craw[k] = controls::kNegInf;
-    if (s >= slots ||
-        (s % kChunkCandidates) >= summaries[s / kChunkCandidates].written) {
-      continue;
-    }
+  for (int q = tid; q < w.chunks; q += kThreads)
+    m.chunk_written[q] = summaries[q].written;
+  __syncthreads();
+#pragma unroll 4
+  for (int s = tid; s < slots; s += kThreads) {
     const float v = w.raws[row_slots + s];
-    if (outside && controls::OrderKey(v) <= bound_key) continue;
-    cid[k] = w.ids[row_slots + s];
-    cx[k] = controls::ScaledLogit(v, inv_t);
-    craw[k] = v;
+    const int32_t id = w.ids[row_slots + s];
+    const bool kept =
+        (s % kChunkCandidates) < m.chunk_written[s / kChunkCandidates] &&
+        !(outside && controls::OrderKey(v) <= bound_key);
+    m.cand_raw[s] = v;
+    m.cand_id[s] = kept ? id : -1;
   }
   const uint32_t* bitmask =
       c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
@@ -1087,12 +1093,18 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int num_entries = static_cast<int>(entries);
-  // Visits every candidate and entry: f(x, raw, id).
+  // Visits every candidate and entry: f(x, raw, id). A thread visits its
+  // slots in the same order in every pass, so its partial sums are summed in
+  // a fixed order.
   auto for_each = [&](auto f) {
-#pragma unroll
-    for (int k = 0; k < kMergeSlotsPerThread; ++k) {
-      if (cid[k] >= 0) f(cx[k], craw[k], cid[k]);
+#pragma unroll 1
+    for (int s = tid; s < slots; s += kThreads) {
+      const int32_t id = m.cand_id[s];
+      if (id < 0) continue;
+      const float raw = m.cand_raw[s];
+      f(controls::ScaledLogit(raw, inv_t), raw, id);
     }
+#pragma unroll 1
     for (int k = tid; k < num_entries; k += kThreads)
       f(m.entry_x[k], m.entry_raw[k], m.entry_id[k]);
   };
@@ -1513,7 +1525,7 @@ cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
   candidates.raws = reinterpret_cast<float*>(base + layout.raws);
   candidates.done = reinterpret_cast<int32_t*>(base + layout.done);
   cudaError_t error = cudaSuccess;
-  if (candidates.chunks * kChunkCandidates <= kThreads * kMergeSlotsPerThread) {
+  if (candidates.chunks * kChunkCandidates <= kMergeCandidateRoom) {
     CandidateChunkKernel<<<dim3(static_cast<unsigned>(candidates.chunks),
                                 static_cast<unsigned>(params.rows)),
                            kChunkThreads, 0, stream>>>(params, candidates);
