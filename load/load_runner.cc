@@ -106,8 +106,8 @@ LoadResult RunClosed(const std::vector<SamplerClient*>& clients,
       static_cast<size_t>(options.concurrency));
   grpc::ByteBuffer wire;
   bool own_buffer = false;
-  if (!grpc::SerializationTraits<v1::SampleRequest>::Serialize(
-           request, &wire, &own_buffer)
+  if (!grpc::SerializationTraits<v1::SampleRequest>::Serialize(request, &wire,
+                                                               &own_buffer)
            .ok()) {
     // The typed path below reports the same failure on every call.
     wire.Clear();

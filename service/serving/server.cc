@@ -364,10 +364,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::CreateImpl(
     return absl::InvalidArgumentError("overlap_min_rows: must be >= 0");
   }
   if (options.unix_socket.size() >= sizeof(sockaddr_un::sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unix_socket: the path must be shorter than ",
-        sizeof(sockaddr_un::sun_path), " bytes, got ",
-        options.unix_socket.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unix_socket: the path must be shorter than ",
+                     sizeof(sockaddr_un::sun_path), " bytes, got ",
+                     options.unix_socket.size()));
   }
   return std::unique_ptr<Server>(
       new Server(options, std::move(weights), std::move(engine),
@@ -574,13 +574,13 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
   if (server != nullptr && port_ != 0 && !unix_failed) return server;
   if (server != nullptr) server->Shutdown();
   if (port_ != 0 && unix_failed) {
-    return absl::UnavailableError(absl::StrCat(
-        "unix_socket: cannot listen on ", options_.unix_socket,
-        " (no such directory, or not writable)"));
+    return absl::UnavailableError(
+        absl::StrCat("unix_socket: cannot listen on ", options_.unix_socket,
+                     " (no such directory, or not writable)"));
   }
-  return absl::UnavailableError(absl::StrCat(
-      "listen_address: cannot listen on ", options_.listen_address,
-      " (in use, or not a valid address)"));
+  return absl::UnavailableError(
+      absl::StrCat("listen_address: cannot listen on ", options_.listen_address,
+                   " (in use, or not a valid address)"));
 }
 
 absl::Status Server::Start() {

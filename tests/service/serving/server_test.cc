@@ -593,9 +593,9 @@ TEST(ServerTest, AUnixSocketStillServingIsRefusedAndAStaleOneReplaced) {
   sockaddr_un address = {};
   address.sun_family = AF_UNIX;
   options.unix_socket.copy(address.sun_path, sizeof(address.sun_path) - 1);
-  ASSERT_EQ(bind(fd, reinterpret_cast<const sockaddr*>(&address),
-                 sizeof(address)),
-            0);
+  ASSERT_EQ(
+      bind(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)),
+      0);
   close(fd);
   ASSERT_TRUE(std::filesystem::is_socket(options.unix_socket));
   FakeServer next = Start(options);
@@ -625,8 +625,7 @@ TEST(ServerTest, UnixSocketErrorsNameTheField) {
   ASSERT_TRUE(server.ok());
   const absl::Status status = (*server)->Start();
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
-  EXPECT_TRUE(absl::StrContains(status.message(), "unix_socket"))
-      << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "unix_socket")) << status;
 }
 
 }  // namespace
