@@ -27,7 +27,8 @@ staging, response encoding and the two gRPC hops); the kernel's time at the
 nearest batch size when --kernel_csv (fs_bench results.csv) is given;
 the daemon's CPU time (user + system) and context switches (all its
 threads) over the point, per answered request (warm-up calls included on
-both sides); fs_load's CPU time per answered request; and how busy the
+both sides); fs_load's CPU time (getrusage of the finished process, its
+start-up included) per answered request; and how busy the
 host's CPUs were over the point (all processes; near 100% the host, not
 the service, is the limit, and fs_load shares it). Exit status 1 when any
 point had errors or the daemon failed.
@@ -40,6 +41,7 @@ import csv
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,7 +117,8 @@ def host_cpu():
     """Jiffies the host's CPUs spent busy and in total so far (/proc/stat's
     first line; idle and iowait count as idle)."""
     with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
+        # user .. steal; guest and guest_nice are inside user and nice.
+        values = [int(v) for v in f.readline().split()[1:9]]
     idle = values[3] + values[4]
     return sum(values) - idle, sum(values)
 
@@ -202,10 +205,11 @@ def main():
     if args.backend != "null":
         command += [f"--backend={args.backend}", f"--weights={args.weights}"]
     target = f"127.0.0.1:{port}"
+    socket_dir = None
     if args.unix_socket:
-        # Under /tmp: a socket path must fit in 108 bytes.
-        socket_path = os.path.join(tempfile.mkdtemp(prefix="fs_sb_"),
-                                   "sampler.sock")
+        # Under /tmp whatever TMPDIR says: a socket path fits in 108 bytes.
+        socket_dir = tempfile.mkdtemp(prefix="fs_sb_", dir="/tmp")
+        socket_path = os.path.join(socket_dir, "sampler.sock")
         command.append(f"--unix_socket={socket_path}")
         target = f"unix:{socket_path}"
     daemon = subprocess.Popen(command + args.daemon_arg, stdout=log,
@@ -308,6 +312,8 @@ def main():
         except subprocess.TimeoutExpired:
             daemon.kill()
         log.close()
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

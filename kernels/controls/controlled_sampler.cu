@@ -551,6 +551,14 @@ constexpr float kBinsPerLogit = 8.0f;
 // The candidate slots the merge kernel holds (shared memory): rows of up to
 // 8192 / 64 = 128 chunks (V <= 262144) take the candidate path.
 constexpr int kMergeCandidateRoom = 8192;
+
+// Shared memory for one row's candidate slots past MergeShared: raw logit
+// and id per slot, and each chunk's count of written slots.
+__host__ __device__ constexpr size_t MergeCandidateBytes(int chunks) {
+  return static_cast<size_t>(chunks) *
+         (kChunkCandidates * (sizeof(float) + sizeof(int32_t)) +
+          sizeof(int32_t));
+}
 // The row's per-token entries the merge kernel holds; rows with more take
 // the full passes.
 constexpr int kMergeEntryRoom = 2048;
@@ -937,17 +945,13 @@ __device__ float ProcessedLogitOf(const ControlledSampleParams& p,
   return controls::ScaledLogit(disallowed ? controls::kNegInf : z[id], inv_t);
 }
 
+// The merge kernel's shared memory, followed by the row's candidate slots
+// (MergeCandidateBytes). The candidates live in shared memory and are
+// visited by rolled loops so that the kernel's code stays small: this one
+// block per row is a chain of dependent steps, and code that misses the
+// instruction cache stalls all of it (docs/performance.md#sampling-controls).
 struct MergeShared {
   SharedState sh;  // BlockReduce's scratch
-  // The candidates above the bound, slot s = chunk * kChunkCandidates + k:
-  // raw logit and id, -1 where the slot holds none. In shared memory and
-  // visited by rolled loops: held in registers, every pass over them was
-  // unrolled 16 times and the kernel's code (253 KB) missed the instruction
-  // cache (Nsight Compute at B = 1: 31% of stall samples waiting for
-  // instructions). The processed logit is recomputed from the raw one.
-  float cand_raw[kMergeCandidateRoom];
-  int32_t cand_id[kMergeCandidateRoom];
-  int32_t chunk_written[kMergeCandidateRoom / kChunkCandidates];
   int32_t entry_id[kMergeEntryRoom];
   float entry_x[kMergeEntryRoom];
   float entry_raw[kMergeEntryRoom];
@@ -1049,23 +1053,29 @@ __global__ void __launch_bounds__(kThreads)
       outside ? controls::KeyValue(bound_key) : controls::kNegInf;
   const float x_bound = controls::ScaledLogit(raw_bound, inv_t);
 
-  // The candidates above the bound, into shared memory. Each slot's raw
-  // logit and id are loaded together, unconditionally (every slot of the
-  // row's workspace exists), so that a thread's loads are all in flight at
-  // once; the chunks' counts say which slots were written.
+  // The candidates above the bound, slot s = chunk * kChunkCandidates + k:
+  // raw logit and id, id -1 where the slot holds none (the processed logit
+  // is recomputed from the raw one). Each slot's raw logit and id are loaded
+  // together, unconditionally (every slot of the row's workspace exists), so
+  // that a thread's loads are all in flight at once; the chunks' counts say
+  // which slots were written.
   const int slots = w.chunks * kChunkCandidates;
+  float* const cand_raw =
+      reinterpret_cast<float*>(dynamic_shared + sizeof(MergeShared));
+  int32_t* const cand_id = reinterpret_cast<int32_t*>(cand_raw + slots);
+  int32_t* const chunk_written = cand_id + slots;
   for (int q = tid; q < w.chunks; q += kThreads)
-    m.chunk_written[q] = summaries[q].written;
+    chunk_written[q] = summaries[q].written;
   __syncthreads();
 #pragma unroll 4
   for (int s = tid; s < slots; s += kThreads) {
     const float v = w.raws[row_slots + s];
     const int32_t id = w.ids[row_slots + s];
     const bool kept =
-        (s % kChunkCandidates) < m.chunk_written[s / kChunkCandidates] &&
+        (s % kChunkCandidates) < chunk_written[s / kChunkCandidates] &&
         !(outside && controls::OrderKey(v) <= bound_key);
-    m.cand_raw[s] = v;
-    m.cand_id[s] = kept ? id : -1;
+    cand_raw[s] = v;
+    cand_id[s] = kept ? id : -1;
   }
   const uint32_t* bitmask =
       c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
@@ -1099,9 +1109,9 @@ __global__ void __launch_bounds__(kThreads)
   auto for_each = [&](auto f) {
 #pragma unroll 1
     for (int s = tid; s < slots; s += kThreads) {
-      const int32_t id = m.cand_id[s];
+      const int32_t id = cand_id[s];
       if (id < 0) continue;
-      const float raw = m.cand_raw[s];
+      const float raw = cand_raw[s];
       f(controls::ScaledLogit(raw, inv_t), raw, id);
     }
 #pragma unroll 1
@@ -1524,23 +1534,42 @@ cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
   candidates.ids = reinterpret_cast<int32_t*>(base + layout.ids);
   candidates.raws = reinterpret_cast<float*>(base + layout.raws);
   candidates.done = reinterpret_cast<int32_t*>(base + layout.done);
-  cudaError_t error = cudaSuccess;
-  if (candidates.chunks * kChunkCandidates <= kMergeCandidateRoom) {
+  // The candidate path needs the merge kernel's shared memory (106,540
+  // bytes at V = 151936): a device with less per block (101,376 on sm_86
+  // and sm_89 at V > 133120) samples every row by the full passes.
+  const size_t shared_bytes =
+      sizeof(MergeShared) + MergeCandidateBytes(candidates.chunks);
+  int device = 0;
+  int shared_optin = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  error = cudaDeviceGetAttribute(
+      &shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (error != cudaSuccess) return error;
+  if (candidates.chunks * kChunkCandidates <= kMergeCandidateRoom &&
+      shared_bytes <= static_cast<size_t>(shared_optin)) {
     CandidateChunkKernel<<<dim3(static_cast<unsigned>(candidates.chunks),
                                 static_cast<unsigned>(params.rows)),
                            kChunkThreads, 0, stream>>>(params, candidates);
     error = cudaGetLastError();
     if (error != cudaSuccess) return error;
+    error = cudaFuncSetAttribute(CandidateMergeKernel,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(shared_bytes));
+    if (error != cudaSuccess) return error;
+    CandidateMergeKernel<<<params.rows, kThreads, shared_bytes, stream>>>(
+        params, candidates);
+    error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+  } else {
+    const size_t flags = sizeof(int32_t) * static_cast<size_t>(params.rows);
+    error = cudaMemsetAsync(candidates.done, 0, flags, stream);
+    if (error != cudaSuccess) return error;
+    if (params.certified != nullptr) {
+      error = cudaMemsetAsync(params.certified, 0, flags, stream);
+      if (error != cudaSuccess) return error;
+    }
   }
-  const size_t shared_bytes = sizeof(MergeShared);
-  error = cudaFuncSetAttribute(CandidateMergeKernel,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(shared_bytes));
-  if (error != cudaSuccess) return error;
-  CandidateMergeKernel<<<params.rows, kThreads, shared_bytes, stream>>>(
-      params, candidates);
-  error = cudaGetLastError();
-  if (error != cudaSuccess) return error;
   ControlledSampleKernel<<<params.rows, kThreads, 0, stream>>>(
       params, static_cast<float*>(workspace), candidates.done);
   return cudaGetLastError();

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -514,18 +515,21 @@ namespace {
 
 // True when a process accepts connections on the Unix socket at `path`.
 // gRPC removes a socket file it finds at the path before binding, which
-// would silently take the path over from a daemon still serving on it.
+// would silently take the path over from a daemon still serving on it. The
+// probe does not block: a listener whose backlog is full (EAGAIN) is alive.
+// Two daemons started at the same instant can both pass it; the second
+// bind then wins the path.
 bool UnixSocketInUse(const std::string& path) {
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return false;
   sockaddr_un address = {};
   address.sun_family = AF_UNIX;
   path.copy(address.sun_path, sizeof(address.sun_path) - 1);
-  const bool connected =
-      connect(fd, reinterpret_cast<const sockaddr*>(&address),
-              sizeof(address)) == 0;
+  const bool alive = connect(fd, reinterpret_cast<const sockaddr*>(&address),
+                             sizeof(address)) == 0 ||
+                     errno == EAGAIN || errno == EINPROGRESS;
   close(fd);
-  return connected;
+  return alive;
 }
 
 }  // namespace
@@ -572,11 +576,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   const bool unix_failed = !options_.unix_socket.empty() && unix_bound == 0;
   if (server != nullptr && port_ != 0 && !unix_failed) return server;
-  if (server != nullptr) server->Shutdown();
   if (port_ != 0 && unix_failed) {
-    return absl::UnavailableError(
-        absl::StrCat("unix_socket: cannot listen on ", options_.unix_socket,
-                     " (no such directory, or not writable)"));
+    port_ = 0;  // nothing listens
+    return absl::UnavailableError(absl::StrCat(
+        "unix_socket: cannot listen on ", options_.unix_socket,
+        " (no such directory, not writable, or a file that is not a socket)"));
   }
   return absl::UnavailableError(
       absl::StrCat("listen_address: cannot listen on ", options_.listen_address,

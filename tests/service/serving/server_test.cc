@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -626,6 +627,20 @@ TEST(ServerTest, UnixSocketErrorsNameTheField) {
   const absl::Status status = (*server)->Start();
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(status.message(), "unix_socket")) << status;
+
+  // A file that is not a socket is neither removed nor listened on.
+  options.unix_socket = testing::MakeTempDir() + "/not_a_socket";
+  { std::ofstream(options.unix_socket) << "keep"; }
+  auto over_file = Server::CreateWithEngine(
+      options, std::make_unique<testing::FakeEngine>(
+                   std::make_shared<testing::FakeState>(),
+                   testing::FakeEngineOptions()));
+  ASSERT_TRUE(over_file.ok());
+  const absl::Status file_status = (*over_file)->Start();
+  EXPECT_EQ(file_status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(file_status.message(), "unix_socket"))
+      << file_status;
+  EXPECT_TRUE(std::filesystem::is_regular_file(options.unix_socket));
 }
 
 }  // namespace
