@@ -55,6 +55,15 @@ grpc::Status Call(FakeServer& f, const v1::SampleRequest& request,
   return f.stub->Sample(&context, request, response);
 }
 
+// A server on a fresh FakeEngine, created but not started.
+absl::StatusOr<std::unique_ptr<Server>> CreateOnFakeEngine(
+    const ServerOptions& options) {
+  return Server::CreateWithEngine(options,
+                                  std::make_unique<testing::FakeEngine>(
+                                      std::make_shared<testing::FakeState>(),
+                                      testing::FakeEngineOptions()));
+}
+
 double Metric(FakeServer& f, const std::string& series) {
   return MetricValue(f.server->metrics().TextExposition(), series);
 }
@@ -515,10 +524,7 @@ TEST(ServerTest, BatcherOptionsOutOfRangeAreRefusedNamingTheField) {
   for (const Case& c : cases) {
     ServerOptions options = TestServerOptions();
     c.apply(&options.batcher);
-    auto server = Server::CreateWithEngine(
-        options, std::make_unique<testing::FakeEngine>(
-                     std::make_shared<testing::FakeState>(),
-                     testing::FakeEngineOptions()));
+    auto server = CreateOnFakeEngine(options);
     ASSERT_FALSE(server.ok()) << c.field;
     EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StrContains(server.status().message(), c.field))
@@ -530,19 +536,23 @@ TEST(ServerTest, BadListenAddressFailsStart) {
   ServerOptions options = TestServerOptions();
   FakeServer first = Start(options);
   options.listen_address = absl::StrCat("127.0.0.1:", first.server->port());
-  auto second = Server::CreateWithEngine(
-      options, std::make_unique<testing::FakeEngine>(
-                   std::make_shared<testing::FakeState>(),
-                   testing::FakeEngineOptions()));
+  auto second = CreateOnFakeEngine(options);
   ASSERT_TRUE(second.ok());
   const absl::Status status = (*second)->Start();
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(status.message(), "listen_address"));
 }
 
-std::unique_ptr<v1::Sampler::Stub> UnixStub(const std::string& path) {
-  return v1::Sampler::NewStub(grpc::CreateChannel(
-      absl::StrCat("unix:", path), grpc::InsecureChannelCredentials()));
+// One Sample call over the Unix socket at `path`.
+grpc::Status SampleOverUnix(const std::string& path,
+                            const v1::SampleRequest& request,
+                            v1::SampleResponse* response) {
+  std::unique_ptr<v1::Sampler::Stub> stub =
+      v1::Sampler::NewStub(grpc::CreateChannel(
+          absl::StrCat("unix:", path), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kWait));
+  return stub->Sample(&context, request, response);
 }
 
 TEST(ServerTest, ServesOnAUnixSocketBesideTheTcpPortAndRemovesIt) {
@@ -550,12 +560,10 @@ TEST(ServerTest, ServesOnAUnixSocketBesideTheTcpPortAndRemovesIt) {
   options.unix_socket = testing::MakeTempDir() + "/sampler.sock";
   FakeServer f = Start(options);
   ASSERT_TRUE(std::filesystem::is_socket(options.unix_socket));
-  std::unique_ptr<v1::Sampler::Stub> stub = UnixStub(options.unix_socket);
   const v1::SampleRequest request = MakeRequest(2, kHidden, 5, 1.0f);
   v1::SampleResponse over_unix, over_tcp;
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + kWait));
-  const grpc::Status status = stub->Sample(&context, request, &over_unix);
+  const grpc::Status status =
+      SampleOverUnix(options.unix_socket, request, &over_unix);
   ASSERT_TRUE(status.ok()) << status.error_message();
   ASSERT_TRUE(Call(f, request, &over_tcp).ok());
   EXPECT_THAT(over_unix.token_ids(),
@@ -569,10 +577,7 @@ TEST(ServerTest, AUnixSocketStillServingIsRefusedAndAStaleOneReplaced) {
   ServerOptions options = TestServerOptions();
   options.unix_socket = testing::MakeTempDir() + "/sampler.sock";
   FakeServer first = Start(options);
-  auto second = Server::CreateWithEngine(
-      options, std::make_unique<testing::FakeEngine>(
-                   std::make_shared<testing::FakeState>(),
-                   testing::FakeEngineOptions()));
+  auto second = CreateOnFakeEngine(options);
   ASSERT_TRUE(second.ok());
   const absl::Status status = (*second)->Start();
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
@@ -580,11 +585,9 @@ TEST(ServerTest, AUnixSocketStillServingIsRefusedAndAStaleOneReplaced) {
   EXPECT_TRUE(absl::StrContains(status.message(), "in use"));
   // The first still answers on it.
   v1::SampleResponse response;
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + kWait));
-  EXPECT_TRUE(UnixStub(options.unix_socket)
-                  ->Sample(&context, MakeRequest(1, kHidden, 1), &response)
-                  .ok());
+  EXPECT_TRUE(
+      SampleOverUnix(options.unix_socket, MakeRequest(1, kHidden, 1), &response)
+          .ok());
   first.server->Stop();
 
   // A socket file nobody accepts on (a daemon killed with SIGKILL leaves
@@ -600,29 +603,21 @@ TEST(ServerTest, AUnixSocketStillServingIsRefusedAndAStaleOneReplaced) {
   close(fd);
   ASSERT_TRUE(std::filesystem::is_socket(options.unix_socket));
   FakeServer next = Start(options);
-  grpc::ClientContext again;
-  again.set_deadline(absl::ToChronoTime(absl::Now() + kWait));
-  EXPECT_TRUE(UnixStub(options.unix_socket)
-                  ->Sample(&again, MakeRequest(1, kHidden, 1), &response)
-                  .ok());
+  EXPECT_TRUE(
+      SampleOverUnix(options.unix_socket, MakeRequest(1, kHidden, 1), &response)
+          .ok());
 }
 
 TEST(ServerTest, UnixSocketErrorsNameTheField) {
   ServerOptions options = TestServerOptions();
   options.unix_socket = "/" + std::string(200, 'a');
-  auto too_long = Server::CreateWithEngine(
-      options, std::make_unique<testing::FakeEngine>(
-                   std::make_shared<testing::FakeState>(),
-                   testing::FakeEngineOptions()));
+  auto too_long = CreateOnFakeEngine(options);
   ASSERT_FALSE(too_long.ok());
   EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(too_long.status().message(), "unix_socket"));
 
   options.unix_socket = testing::MakeTempDir() + "/no/such/dir/sampler.sock";
-  auto server = Server::CreateWithEngine(
-      options, std::make_unique<testing::FakeEngine>(
-                   std::make_shared<testing::FakeState>(),
-                   testing::FakeEngineOptions()));
+  auto server = CreateOnFakeEngine(options);
   ASSERT_TRUE(server.ok());
   const absl::Status status = (*server)->Start();
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
@@ -631,10 +626,7 @@ TEST(ServerTest, UnixSocketErrorsNameTheField) {
   // A file that is not a socket is neither removed nor listened on.
   options.unix_socket = testing::MakeTempDir() + "/not_a_socket";
   { std::ofstream(options.unix_socket) << "keep"; }
-  auto over_file = Server::CreateWithEngine(
-      options, std::make_unique<testing::FakeEngine>(
-                   std::make_shared<testing::FakeState>(),
-                   testing::FakeEngineOptions()));
+  auto over_file = CreateOnFakeEngine(options);
   ASSERT_TRUE(over_file.ok());
   const absl::Status file_status = (*over_file)->Start();
   EXPECT_EQ(file_status.code(), absl::StatusCode::kUnavailable);
