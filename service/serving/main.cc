@@ -87,6 +87,9 @@ ABSL_FLAG(int, tp, kDefaults.tp,
           "CUDA backend: GPUs to split the vocabulary over; 0 = all");
 ABSL_FLAG(int, cuda_slots, kDefaults.cuda_slots,
           "CUDA backend batches in flight");
+ABSL_FLAG(bool, cuda_graphs, kDefaults.cuda_graphs,
+          "CUDA backend, one GPU: replay a batch's copies and kernel as one "
+          "recorded CUDA graph (false: queue them call by call)");
 ABSL_FLAG(std::string, tp_transport, kDefaults.tp_transport,
           "tensor parallel (--tp > 1): auto (NCCL device API, else CUDA peer "
           "access), nccl, or peer");
@@ -124,6 +127,7 @@ flashsampler::ServerOptions OptionsFromFlags() {
   o.cpu_slots = absl::GetFlag(FLAGS_cpu_slots);
   o.tp = absl::GetFlag(FLAGS_tp);
   o.cuda_slots = absl::GetFlag(FLAGS_cuda_slots);
+  o.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   o.tp_transport = absl::GetFlag(FLAGS_tp_transport);
   o.warmup_rows = absl::GetFlag(FLAGS_warmup_rows);
   return o;

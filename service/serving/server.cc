@@ -280,6 +280,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(
     for (int d = 0; d < tp; ++d) cuda.devices.push_back(d);
     cuda.max_batch_rows = options.batcher.max_batch_rows;
     cuda.slots = options.cuda_slots;
+    cuda.replay_graphs = options.cuda_graphs;
     if (options.tp_transport == "auto") {
       cuda.tp_transport = CudaTpTransport::kAuto;
     } else if (options.tp_transport == "nccl") {

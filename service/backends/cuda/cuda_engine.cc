@@ -146,6 +146,10 @@ struct Slot {
   std::unique_ptr<TpExchange> exchange;
   int32_t* device_tokens = nullptr;  // rank 0: [rows][n]
   int32_t* host_tokens = nullptr;    // pinned
+  // One GPU: plain_graphs[rows - 1] replays a plain batch of `rows` rows
+  // with one sample each (CudaEngineOptions::replay_graphs), recorded on
+  // that size's first batch; null until then.
+  std::vector<cudaGraphExec_t> plain_graphs;
 
   // The materialized path, all on rank 0 (sizes in CudaEngine::Init).
   float* logits = nullptr;               // [max_batch_rows, V] fp32
@@ -208,6 +212,15 @@ class CudaEngine final : public Engine {
   // write the fp32 logits (the materialized path).
   absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples,
                         bool logits);
+  // Queues the copy of the staging buffer's first `rows` rows (and every
+  // row's parameters) to every rank.
+  absl::Status EnqueueInputCopy(Slot& slot, int rows);
+  // Queues the input copy, stage 1 and the token copy of a plain batch of
+  // `rows` rows with `num_samples` samples each on rank 0's stream.
+  absl::Status EnqueuePlainBatch(Slot& slot, int rows, int num_samples);
+  // One GPU: the plain batch of `rows` rows and one sample each as one
+  // graph launch, recorded into slot.plain_graphs on its first use.
+  absl::Status LaunchPlainGraph(Slot& slot, int rows);
   // The materialized path after stage 1: gathers the logits on rank 0 (tensor
   // parallel), packs and runs the controlled sampler over the batch's rows
   // (row chunks within kControlledPlanBudgetBytes) and queues the D2H of its
@@ -466,6 +479,8 @@ absl::Status CudaEngine::Init() {
     FS_RETURN_IF_ERROR(Check(cudaMallocHost(&slot.host_input, input_bytes_),
                              "cudaMallocHost(staging)"));
     std::memset(slot.host_input, 0, input_bytes_);
+    slot.plain_graphs.assign(static_cast<size_t>(options_.max_batch_rows),
+                             nullptr);
     FS_RETURN_IF_ERROR(
         Check(cudaMallocHost(reinterpret_cast<void**>(&slot.host_tokens),
                              sizeof(int32_t) * max_tokens),
@@ -679,6 +694,64 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
       all_params, workspaces, workspace_bytes, streams, tokens, nullptr);
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
   return Check(error, "TpExchange::Step");
+}
+
+absl::Status CudaEngine::EnqueueInputCopy(Slot& slot, int rows) {
+  const size_t copy_bytes = params_bytes_ + static_cast<size_t>(rows) *
+                                                info_.hidden_size *
+                                                element_bytes_;
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[r].device), "cudaSetDevice"));
+    FS_RETURN_IF_ERROR(Check(
+        cudaMemcpyAsync(slot.ranks[r].device_input, slot.host_input, copy_bytes,
+                        cudaMemcpyHostToDevice, slot.ranks[r].stream),
+        "cudaMemcpyAsync(input)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::EnqueuePlainBatch(Slot& slot, int rows,
+                                           int num_samples) {
+  FS_RETURN_IF_ERROR(EnqueueInputCopy(slot, rows));
+  const int rows_per_chunk =
+      static_cast<int>(std::max<int64_t>(1, capacity_pairs_ / num_samples));
+  for (int first = 0; first < rows; first += rows_per_chunk) {
+    FS_RETURN_IF_ERROR(RunChunk(slot, first,
+                                std::min(rows_per_chunk, rows - first),
+                                num_samples, /*logits=*/false));
+  }
+  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+  return Check(cudaMemcpyAsync(slot.host_tokens, slot.device_tokens,
+                               sizeof(int32_t) * rows * num_samples,
+                               cudaMemcpyDeviceToHost, slot.ranks[0].stream),
+               "cudaMemcpyAsync(tokens)");
+}
+
+absl::Status CudaEngine::LaunchPlainGraph(Slot& slot, int rows) {
+  cudaStream_t stream = slot.ranks[0].stream;
+  cudaGraphExec_t& exec = slot.plain_graphs[static_cast<size_t>(rows) - 1];
+  if (exec == nullptr) {
+    // Recorded from the same calls a batch of this size makes one by one;
+    // every pointer and argument they take is fixed per slot and size.
+    FS_RETURN_IF_ERROR(
+        Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
+              "cudaStreamBeginCapture"));
+    const absl::Status enqueued = EnqueuePlainBatch(slot, rows, 1);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+    if (!enqueued.ok() || ended != cudaSuccess) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      FS_RETURN_IF_ERROR(enqueued);
+      return Check(ended, "cudaStreamEndCapture");
+    }
+    const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (made != cudaSuccess) {
+      exec = nullptr;
+      return Check(made, "cudaGraphInstantiate");
+    }
+  }
+  return Check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
 }
 
 absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
@@ -949,38 +1022,25 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
     FS_RETURN_IF_ERROR(
         Check(LaunchTrapKernel(slot.ranks[0].stream), "LaunchTrapKernel"));
   }
-  const size_t copy_bytes = params_bytes_ + static_cast<size_t>(batch.rows) *
-                                                info_.hidden_size *
-                                                element_bytes_;
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[r].device), "cudaSetDevice"));
-    FS_RETURN_IF_ERROR(Check(
-        cudaMemcpyAsync(slot.ranks[r].device_input, slot.host_input, copy_bytes,
-                        cudaMemcpyHostToDevice, slot.ranks[r].stream),
-        "cudaMemcpyAsync(input)"));
-  }
-  // The materialized path takes only the logits from stage 1 (the
-  // controlled sampler draws every sample), so one sample per row keeps
-  // stage 1 to one launch.
-  const int stage1_samples = controlled ? 1 : num_samples;
-  const int rows_per_chunk =
-      static_cast<int>(std::max<int64_t>(1, capacity_pairs_ / stage1_samples));
-  for (int first = 0; first < batch.rows; first += rows_per_chunk) {
-    const int rows = std::min(rows_per_chunk, batch.rows - first);
-    FS_RETURN_IF_ERROR(RunChunk(slot, first, rows, stage1_samples, controlled));
-  }
   SlotRank& root = slot.ranks[0];
   ControlledOutputLayout layout;
   if (controlled) {
+    FS_RETURN_IF_ERROR(EnqueueInputCopy(slot, batch.rows));
+    // The materialized path takes only the logits from stage 1 (the
+    // controlled sampler draws every sample), so one sample per row keeps
+    // stage 1 to one launch.
+    const int rows_per_chunk =
+        static_cast<int>(std::max<int64_t>(1, capacity_pairs_));
+    for (int first = 0; first < batch.rows; first += rows_per_chunk) {
+      const int rows = std::min(rows_per_chunk, batch.rows - first);
+      FS_RETURN_IF_ERROR(RunChunk(slot, first, rows, 1, /*logits=*/true));
+    }
     FS_RETURN_IF_ERROR(
         RunControlled(slot, batch, valid, num_samples, max_top_n, &layout));
+  } else if (options_.replay_graphs && ranks_.size() == 1 && num_samples == 1) {
+    FS_RETURN_IF_ERROR(LaunchPlainGraph(slot, batch.rows));
   } else {
-    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-    FS_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(slot.host_tokens, slot.device_tokens,
-                              sizeof(int32_t) * batch.rows * num_samples,
-                              cudaMemcpyDeviceToHost, root.stream),
-              "cudaMemcpyAsync(tokens)"));
+    FS_RETURN_IF_ERROR(EnqueuePlainBatch(slot, batch.rows, num_samples));
   }
   FS_RETURN_IF_ERROR(
       Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
@@ -1055,6 +1115,9 @@ void CudaEngine::Release() {
       }
     }
     if (!ranks_.empty() && cudaSetDevice(ranks_[0].device) == cudaSuccess) {
+      for (cudaGraphExec_t exec : slot.plain_graphs) {
+        if (exec != nullptr) cudaGraphExecDestroy(exec);
+      }
       if (slot.device_tokens != nullptr) cudaFree(slot.device_tokens);
       if (slot.logits != nullptr) cudaFree(slot.logits);
       if (slot.controlled_workspace != nullptr) {

@@ -35,6 +35,14 @@ struct CudaEngineOptions {
   // Batches in flight at once, each with its own staging and streams.
   int slots = 2;
   CudaTpTransport tp_transport = CudaTpTransport::kAuto;
+  // One GPU, a batch without controls and one sample per row: its input
+  // copy, fused kernel and token copy are recorded once per (slot, batch
+  // rows) as a CUDA graph and replayed with one launch, instead of three
+  // enqueues of about 15 us of host time each on a virtual machine (one
+  // caller's p50 on an H100: 0.53 against 0.55-0.56 ms;
+  // docs/performance.md#service). Off: every batch enqueues them one by one
+  // (the tests compare the two).
+  bool replay_graphs = true;
   // Test-only; never set by the daemon. While it points at true, the next
   // Sample() first launches a kernel that traps (kernels/testing/) on rank
   // 0's stream and sets it back to false: the CUDA context then holds the

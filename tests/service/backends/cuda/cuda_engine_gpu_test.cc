@@ -463,6 +463,59 @@ TEST_F(CudaEngineGpuTest, TwoSlotsInFlightGiveTheSameTokensAsOneAtATime) {
   EXPECT_EQ(got, expected);
 }
 
+// One sample per row on one GPU: each batch size is recorded as a graph on
+// its first batch and replayed after (CudaEngineOptions::replay_graphs).
+// Replays read the staging buffer and row parameters of their own batch,
+// and give the tokens of the same batches launched one call at a time and
+// of the CPU sampler, in both slots.
+TEST_F(CudaEngineGpuTest, GraphReplaysGiveTheTokensOfLaunchesOneByOne) {
+  constexpr int64_t kVocab = 3001;
+  constexpr int kHidden = 128;
+  std::vector<float> values;
+  auto weights = SmallIntegerWeights(kVocab, kHidden, 6, &values);
+  ASSERT_NE(weights, nullptr);
+  CudaEngineOptions options;
+  options.devices = {0};
+  options.max_batch_rows = 64;
+  auto replaying = CreateCudaEngine(weights, options);
+  ASSERT_TRUE(replaying.ok()) << replaying.status();
+  options.replay_graphs = false;
+  auto direct = CreateCudaEngine(weights, options);
+  ASSERT_TRUE(direct.ok()) << direct.status();
+  auto sampler = CpuReference(values, kVocab, kHidden);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  int round = 0;
+  for (int rows : {1, 5, 64, 5, 1, 64, 1}) {
+    for (int slot : {0, 1}) {
+      Batch batch = MakeBatch(rows, kHidden, 500 + round++, 1);
+      batch.params[3].n = 1;
+      const std::string where = std::to_string(rows) + " rows, slot " +
+                                std::to_string(slot) + ", round " +
+                                std::to_string(round);
+      Stage(**replaying, slot, batch);
+      Stage(**direct, slot, batch);
+      std::vector<RowResult> replayed, launched, cpu;
+      ASSERT_TRUE(
+          (*replaying)
+              ->Sample(BatchView{slot, rows, batch.specs.data()}, &replayed)
+              .ok())
+          << where;
+      ASSERT_TRUE(
+          (*direct)
+              ->Sample(BatchView{slot, rows, batch.specs.data()}, &launched)
+              .ok())
+          << where;
+      ASSERT_TRUE(
+          (*sampler)
+              ->Sample(batch.hidden.data(), rows, batch.specs.data(), &cpu)
+              .ok())
+          << where;
+      EXPECT_EQ(Tokens(replayed), Tokens(launched)) << where;
+      EXPECT_EQ(Tokens(replayed), Tokens(cpu)) << where;
+    }
+  }
+}
+
 TEST_F(CudaEngineGpuTest, ManySamplesPerRowRunInRowChunks) {
   constexpr int64_t kVocab = 3000;
   constexpr int kHidden = 64;
