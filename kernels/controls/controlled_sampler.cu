@@ -262,12 +262,14 @@ __device__ void FailRow(const ControlledSampleParams& p, int r, int32_t status,
 
 __global__ void __launch_bounds__(kThreads)
     ControlledSampleKernel(const ControlledSampleParams p,
-                           float* __restrict__ x_all,
-                           const int32_t* __restrict__ done) {
+                           float* __restrict__ x_all, const int32_t* done) {
   WaitForPreviousKernel();
   __shared__ SharedState sh;
   const int r = blockIdx.x;
-  if (done[r] != 0) return;  // the candidate path sampled this row
+  // The merge kernel before this one wrote `done`: an L2 load, not the
+  // read-only path a const __restrict__ pointer would allow, which the wait
+  // for the previous kernel does not order.
+  if (__ldcg(&done[r]) != 0) return;  // the candidate path sampled this row
   const int tid = threadIdx.x;
   const ControlledRow c = p.row_controls[r];
   const int32_t vocab = static_cast<int32_t>(p.vocab);
@@ -726,10 +728,10 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
   const float* __restrict__ z = p.logits + r * p.logits_row_stride;
   const int64_t slot = static_cast<int64_t>(r) * w.chunks + chunk;
 
-  // The logits first: their loads are in flight through the entry search
-  // and the barriers below (loaded where they were used, each waited on
-  // its own: 38% of the kernel's stall samples, Nsight Compute at
-  // [128, 151936] on an H100).
+  // The logits first, so that their loads are in flight through the entry
+  // search and the barriers below: a load issued where its value is used
+  // stalls there on its own (38% of the kernel's stall samples, Nsight
+  // Compute at [128, 151936] on an H100).
   float loaded[kChunkPerThread];
 #pragma unroll
   for (int j = 0; j < kChunkPerThread; ++j) {
@@ -739,11 +741,12 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
   for (int i = tid; i < kChunkWarps * kDistanceBins; i += kChunkThreads)
     (&warp_hist[0][0])[i] = 0u;
   if (warp == 0) {
-    // The row's first entry at or after `begin`, found by a warp: one
-    // thread's binary search (seven dependent loads for 128 entries) held
-    // every other thread at the barrier below. With the logits' loads
-    // issued first (above), the kernel at [128, 151936] with every control
-    // on went from 163 to 135 us (Nsight Compute, H100).
+    // The row's first entry at or after `begin`, found by a warp in at
+    // most three dependent loads: every other thread waits for it at the
+    // barrier below, and one thread's binary search (seven loads for 128
+    // entries) made the kernel at [128, 151936] with every control on take
+    // 163 against 135 us with the logits' loads above (Nsight Compute,
+    // H100).
     const int64_t first = WarpSpecialLowerBound(p.special_ids, c.special_begin,
                                                 c.special_end, begin);
     if (tid == 0) {
@@ -1526,10 +1529,16 @@ namespace {
 // finish, and WaitForPreviousKernel, its first statement, holds them until
 // the results are there, so the gap between two launches on one stream (a
 // few us, against 27 us for one row's whole sampler on an H100) is hidden.
+// Only where the kernel's code comes from PTX for sm_90 or later, which holds
+// the wait: a newer GPU that runs the sm_80 build (compiled from its PTX)
+// launches it as an ordinary kernel.
 template <typename... Params, typename... Args>
 cudaError_t LaunchAfterPrevious(void (*kernel)(Params...), unsigned blocks,
                                 size_t shared_bytes, cudaStream_t stream,
                                 Args... args) {
+  cudaFuncAttributes attributes;
+  const cudaError_t error = cudaFuncGetAttributes(&attributes, kernel);
+  if (error != cudaSuccess) return error;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
@@ -1539,7 +1548,7 @@ cudaError_t LaunchAfterPrevious(void (*kernel)(Params...), unsigned blocks,
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = attributes.ptxVersion >= 90 ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 

@@ -148,8 +148,10 @@ struct Slot {
   int32_t* host_tokens = nullptr;    // pinned
   // One GPU: plain_graphs[rows - 1] replays a plain batch of `rows` rows
   // with one sample each (CudaEngineOptions::replay_graphs), recorded on
-  // that size's first batch; null until then.
+  // that size's first batch; null until then, and for good where
+  // plain_graph_refused[rows - 1] says the recording failed.
   std::vector<cudaGraphExec_t> plain_graphs;
+  std::vector<char> plain_graph_refused;
 
   // The materialized path, all on rank 0 (sizes in CudaEngine::Init).
   float* logits = nullptr;               // [max_batch_rows, V] fp32
@@ -219,8 +221,11 @@ class CudaEngine final : public Engine {
   // `rows` rows with `num_samples` samples each on rank 0's stream.
   absl::Status EnqueuePlainBatch(Slot& slot, int rows, int num_samples);
   // One GPU: the plain batch of `rows` rows and one sample each as one
-  // graph launch, recorded into slot.plain_graphs on its first use.
+  // graph launch, recorded into slot.plain_graphs on its first use (call by
+  // call where the driver will not record it).
   absl::Status LaunchPlainGraph(Slot& slot, int rows);
+  // Records EnqueuePlainBatch(slot, rows, 1) into `exec`.
+  absl::Status RecordPlainGraph(Slot& slot, int rows, cudaGraphExec_t* exec);
   // The materialized path after stage 1: gathers the logits on rank 0 (tensor
   // parallel), packs and runs the controlled sampler over the batch's rows
   // (row chunks within kControlledPlanBudgetBytes) and queues the D2H of its
@@ -481,6 +486,8 @@ absl::Status CudaEngine::Init() {
     std::memset(slot.host_input, 0, input_bytes_);
     slot.plain_graphs.assign(static_cast<size_t>(options_.max_batch_rows),
                              nullptr);
+    slot.plain_graph_refused.assign(
+        static_cast<size_t>(options_.max_batch_rows), 0);
     FS_RETURN_IF_ERROR(
         Check(cudaMallocHost(reinterpret_cast<void**>(&slot.host_tokens),
                              sizeof(int32_t) * max_tokens),
@@ -727,31 +734,48 @@ absl::Status CudaEngine::EnqueuePlainBatch(Slot& slot, int rows,
                "cudaMemcpyAsync(tokens)");
 }
 
-absl::Status CudaEngine::LaunchPlainGraph(Slot& slot, int rows) {
+absl::Status CudaEngine::RecordPlainGraph(Slot& slot, int rows,
+                                          cudaGraphExec_t* exec) {
   cudaStream_t stream = slot.ranks[0].stream;
-  cudaGraphExec_t& exec = slot.plain_graphs[static_cast<size_t>(rows) - 1];
-  if (exec == nullptr) {
-    // Recorded from the same calls a batch of this size makes one by one;
-    // every pointer and argument they take is fixed per slot and size.
-    FS_RETURN_IF_ERROR(
-        Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
-              "cudaStreamBeginCapture"));
-    const absl::Status enqueued = EnqueuePlainBatch(slot, rows, 1);
-    cudaGraph_t graph = nullptr;
-    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
-    if (!enqueued.ok() || ended != cudaSuccess) {
-      if (graph != nullptr) cudaGraphDestroy(graph);
-      FS_RETURN_IF_ERROR(enqueued);
-      return Check(ended, "cudaStreamEndCapture");
-    }
-    const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    if (made != cudaSuccess) {
-      exec = nullptr;
-      return Check(made, "cudaGraphInstantiate");
+  // Recorded from the same calls a batch of this size makes one by one;
+  // every pointer and argument they take is fixed per slot and size.
+  FS_RETURN_IF_ERROR(
+      Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
+            "cudaStreamBeginCapture"));
+  const absl::Status enqueued = EnqueuePlainBatch(slot, rows, 1);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  if (!enqueued.ok() || ended != cudaSuccess) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    FS_RETURN_IF_ERROR(enqueued);
+    return Check(ended, "cudaStreamEndCapture");
+  }
+  const cudaError_t made = cudaGraphInstantiate(exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (made != cudaSuccess) {
+    *exec = nullptr;
+    return Check(made, "cudaGraphInstantiate");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::LaunchPlainGraph(Slot& slot, int rows) {
+  const size_t index = static_cast<size_t>(rows) - 1;
+  cudaGraphExec_t& exec = slot.plain_graphs[index];
+  if (exec == nullptr && !slot.plain_graph_refused[index]) {
+    const absl::Status recorded = RecordPlainGraph(slot, rows, &exec);
+    if (!recorded.ok()) {
+      if (broken_.load()) return recorded;
+      // A size the driver would not record (the device is fine) is queued
+      // call by call from now on.
+      slot.plain_graph_refused[index] = 1;
     }
   }
-  return Check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+  if (exec == nullptr) return EnqueuePlainBatch(slot, rows, 1);
+  if (options_.graph_launches_for_tests != nullptr) {
+    options_.graph_launches_for_tests->fetch_add(1);
+  }
+  return Check(cudaGraphLaunch(exec, slot.ranks[0].stream), "cudaGraphLaunch");
 }
 
 absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,

@@ -38,11 +38,14 @@ struct CudaEngineOptions {
   // One GPU, a batch without controls and one sample per row: its input
   // copy, fused kernel and token copy are recorded once per (slot, batch
   // rows) as a CUDA graph and replayed with one launch, instead of three
-  // enqueues of about 15 us of host time each on a virtual machine (one
+  // enqueues of 6-16 us of host time each on a virtual machine (one
   // caller's p50 on an H100: 0.53 against 0.55-0.56 ms;
   // docs/performance.md#service). Off: every batch enqueues them one by one
   // (the tests compare the two).
   bool replay_graphs = true;
+  // Test-only; never set by the daemon: counts the batches launched as a
+  // replayed graph (replay_graphs).
+  std::shared_ptr<std::atomic<int64_t>> graph_launches_for_tests;
   // Test-only; never set by the daemon. While it points at true, the next
   // Sample() first launches a kernel that traps (kernels/testing/) on rank
   // 0's stream and sets it back to false: the CUDA context then holds the

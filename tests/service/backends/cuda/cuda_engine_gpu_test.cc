@@ -476,7 +476,9 @@ TEST_F(CudaEngineGpuTest, GraphReplaysGiveTheTokensOfLaunchesOneByOne) {
   ASSERT_NE(weights, nullptr);
   CudaEngineOptions options;
   options.devices = {0};
-  options.max_batch_rows = 64;
+  options.max_batch_rows = 256;
+  auto launches = std::make_shared<std::atomic<int64_t>>(0);
+  options.graph_launches_for_tests = launches;
   auto replaying = CreateCudaEngine(weights, options);
   ASSERT_TRUE(replaying.ok()) << replaying.status();
   options.replay_graphs = false;
@@ -484,8 +486,11 @@ TEST_F(CudaEngineGpuTest, GraphReplaysGiveTheTokensOfLaunchesOneByOne) {
   ASSERT_TRUE(direct.ok()) << direct.status();
   auto sampler = CpuReference(values, kVocab, kHidden);
   ASSERT_TRUE(sampler.ok()) << sampler.status();
+  // 65..256 rows: the 128-column and two-tile launches.
+  const std::vector<int> sizes = {1, 5, 64, 100, 5, 1, 256, 64, 100, 256};
+  const int64_t launches_at_start = launches->load();
   int round = 0;
-  for (int rows : {1, 5, 64, 5, 1, 64, 1}) {
+  for (int rows : sizes) {
     for (int slot : {0, 1}) {
       Batch batch = MakeBatch(rows, kHidden, 500 + round++, 1);
       batch.params[3].n = 1;
@@ -514,6 +519,9 @@ TEST_F(CudaEngineGpuTest, GraphReplaysGiveTheTokensOfLaunchesOneByOne) {
       EXPECT_EQ(Tokens(replayed), Tokens(cpu)) << where;
     }
   }
+  // Every batch of the replaying engine went out as a graph launch.
+  EXPECT_EQ(launches->load() - launches_at_start,
+            static_cast<int64_t>(2 * sizes.size()));
 }
 
 TEST_F(CudaEngineGpuTest, ManySamplesPerRowRunInRowChunks) {
