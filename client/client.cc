@@ -448,6 +448,8 @@ std::unique_ptr<SampleStream> SamplerClient::OpenStream(
 
 absl::StatusOr<std::vector<v1::SampleResponse>> SamplerClient::SampleMany(
     absl::Span<const v1::SampleRequest> requests, absl::Duration timeout) {
+  // No later than the stream's own deadline (set just after).
+  const absl::Time deadline = absl::Now() + timeout;
   std::unique_ptr<SampleStream> stream = OpenStream(timeout);
   std::thread writer([&] {
     for (const v1::SampleRequest& request : requests) {
@@ -462,8 +464,12 @@ absl::StatusOr<std::vector<v1::SampleResponse>> SamplerClient::SampleMany(
     response.Clear();
   }
   // Read ends only when the stream does; a writer still blocked then has
-  // its Write fail, so the join cannot hang.
-  if (responses.size() != requests.size()) stream->Cancel();
+  // its Write fail, so the join cannot hang. Past the deadline the stream
+  // is ending as DEADLINE_EXCEEDED, and a cancel racing with that could
+  // make its status CANCELLED.
+  if (responses.size() != requests.size() && absl::Now() < deadline) {
+    stream->Cancel();
+  }
   writer.join();
   absl::Status status = stream->Finish();
   if (!status.ok()) return status;
