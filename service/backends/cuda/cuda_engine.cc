@@ -215,10 +215,12 @@ class CudaEngine final : public Engine {
   absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples,
                         bool logits);
   // Queues the copy of the staging buffer's first `rows` rows (and every
-  // row's parameters) to every rank.
-  absl::Status EnqueueInputCopy(Slot& slot, int rows);
-  // Queues the input copy, stage 1 and the token copy of a plain batch of
-  // `rows` rows with `num_samples` samples each on rank 0's stream.
+  // row's parameters) to every rank, then stage 1 over them in row chunks
+  // of at most capacity_pairs_ / num_samples rows.
+  absl::Status EnqueueStage1(Slot& slot, int rows, int num_samples,
+                             bool logits);
+  // Queues stage 1 and the token copy of a plain batch of `rows` rows with
+  // `num_samples` samples each (the copy on rank 0's stream).
   absl::Status EnqueuePlainBatch(Slot& slot, int rows, int num_samples);
   // One GPU: the plain batch of `rows` rows and one sample each as one
   // graph launch, recorded into slot.plain_graphs on its first use (call by
@@ -703,7 +705,8 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
   return Check(error, "TpExchange::Step");
 }
 
-absl::Status CudaEngine::EnqueueInputCopy(Slot& slot, int rows) {
+absl::Status CudaEngine::EnqueueStage1(Slot& slot, int rows, int num_samples,
+                                       bool logits) {
   const size_t copy_bytes = params_bytes_ + static_cast<size_t>(rows) *
                                                 info_.hidden_size *
                                                 element_bytes_;
@@ -714,19 +717,19 @@ absl::Status CudaEngine::EnqueueInputCopy(Slot& slot, int rows) {
                         cudaMemcpyHostToDevice, slot.ranks[r].stream),
         "cudaMemcpyAsync(input)"));
   }
-  return absl::OkStatus();
-}
-
-absl::Status CudaEngine::EnqueuePlainBatch(Slot& slot, int rows,
-                                           int num_samples) {
-  FS_RETURN_IF_ERROR(EnqueueInputCopy(slot, rows));
   const int rows_per_chunk =
       static_cast<int>(std::max<int64_t>(1, capacity_pairs_ / num_samples));
   for (int first = 0; first < rows; first += rows_per_chunk) {
     FS_RETURN_IF_ERROR(RunChunk(slot, first,
                                 std::min(rows_per_chunk, rows - first),
-                                num_samples, /*logits=*/false));
+                                num_samples, logits));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::EnqueuePlainBatch(Slot& slot, int rows,
+                                           int num_samples) {
+  FS_RETURN_IF_ERROR(EnqueueStage1(slot, rows, num_samples, /*logits=*/false));
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
   return Check(cudaMemcpyAsync(slot.host_tokens, slot.device_tokens,
                                sizeof(int32_t) * rows * num_samples,
@@ -1049,16 +1052,10 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
   SlotRank& root = slot.ranks[0];
   ControlledOutputLayout layout;
   if (controlled) {
-    FS_RETURN_IF_ERROR(EnqueueInputCopy(slot, batch.rows));
     // The materialized path takes only the logits from stage 1 (the
     // controlled sampler draws every sample), so one sample per row keeps
     // stage 1 to one launch.
-    const int rows_per_chunk =
-        static_cast<int>(std::max<int64_t>(1, capacity_pairs_));
-    for (int first = 0; first < batch.rows; first += rows_per_chunk) {
-      const int rows = std::min(rows_per_chunk, batch.rows - first);
-      FS_RETURN_IF_ERROR(RunChunk(slot, first, rows, 1, /*logits=*/true));
-    }
+    FS_RETURN_IF_ERROR(EnqueueStage1(slot, batch.rows, 1, /*logits=*/true));
     FS_RETURN_IF_ERROR(
         RunControlled(slot, batch, valid, num_samples, max_top_n, &layout));
   } else if (options_.replay_graphs && ranks_.size() == 1 && num_samples == 1) {
