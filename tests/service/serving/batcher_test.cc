@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <thread>
 
@@ -86,6 +87,16 @@ std::unique_ptr<TestItem> MakeItem(std::shared_ptr<Outcome>* outcome_out,
   item->specs = outcome->specs.data();
   *outcome_out = outcome;
   return item;
+}
+
+// Waits for each outcome's answer (failing at the first that does not come)
+// and expects every one OK. Call it as ASSERT_NO_FATAL_FAILURE(...).
+void ExpectEveryAnswerOk(
+    std::initializer_list<const std::shared_ptr<Outcome>*> outcomes) {
+  for (const std::shared_ptr<Outcome>* o : outcomes) {
+    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
+    EXPECT_TRUE((*o)->status.ok()) << (*o)->status;
+  }
 }
 
 struct Fixture {
@@ -196,10 +207,7 @@ TEST(BatcherTest, FullQueueIsResourceExhausted) {
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(s.message(), "max_queue_rows = 4"));
   f.state->OpenGate();
-  for (auto* o : {&running, &q1, &q2}) {
-    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
-    EXPECT_TRUE((*o)->status.ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectEveryAnswerOk({&running, &q1, &q2}));
 }
 
 TEST(BatcherTest, ExpiredAndCancelledRowsAreNotComputed) {
@@ -375,10 +383,7 @@ TEST(BatcherTest, RowsBelowOverlapMinRowsWaitForTheExecutingBatch) {
   ASSERT_TRUE(f.state->WaitForWaiting(2, kWait));
   ASSERT_TRUE(f.batcher.Submit(MakeItem(&e, 1, 5)).ok());
   f.state->OpenGate();
-  for (const auto* o : {&a, &b, &c, &d, &e}) {
-    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
-    EXPECT_TRUE((*o)->status.ok()) << (*o)->status;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectEveryAnswerOk({&a, &b, &c, &d, &e}));
   // The last row waited for both batches and went out alone.
   EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 3, 1));
 }
@@ -398,10 +403,7 @@ TEST(BatcherTest, RowsHeldBackByOverlapMinRowsGoWhenTheBatchReturns) {
   ASSERT_TRUE(f.batcher.Submit(MakeItem(&c, 1, 4)).ok());
   EXPECT_FALSE(f.state->WaitForWaiting(2, absl::Milliseconds(200)));
   f.state->OpenGate();
-  for (const auto* o : {&a, &b, &c}) {
-    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
-    EXPECT_TRUE((*o)->status.ok()) << (*o)->status;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectEveryAnswerOk({&a, &b, &c}));
   EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 3));
 }
 
@@ -424,10 +426,7 @@ TEST(BatcherTest, OverlapMinRowsCountsOnlyRowsThatFitTheNextBatch) {
   ASSERT_TRUE(f.batcher.Submit(MakeItem(&c, 4, 3)).ok());
   EXPECT_FALSE(f.state->WaitForWaiting(2, absl::Milliseconds(200)));
   f.state->OpenGate();
-  for (const auto* o : {&a, &b, &c}) {
-    ASSERT_TRUE((*o)->done.WaitForNotificationWithTimeout(kWait));
-    EXPECT_TRUE((*o)->status.ok()) << (*o)->status;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectEveryAnswerOk({&a, &b, &c}));
   EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 1, 4));
 }
 
