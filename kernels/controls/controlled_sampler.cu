@@ -697,14 +697,50 @@ __device__ ChunkTotals ChunkBlockTotals(ChunkTotals mine, ChunkTotals* slots) {
   return all;
 }
 
+// The chunk kernel's first pass over a thread's tokens begin + threadIdx.x
+// + 256 j: raws[j] is the raw logit of an allowed, unbanned, finite token,
+// -inf otherwise; bit j of *eligible marks such a token without a
+// per-token entry (a candidate); *totals gathers their counts and maxima.
+// kFiltered: the row has a bitmask or the chunk has entries (their bit
+// tables, one bit per token of the chunk).
+template <bool kFiltered>
+__device__ __forceinline__ void ClassifyChunkTokens(
+    const float (&loaded)[kChunkPerThread], int32_t begin, int32_t end,
+    bool has_entries, const uint32_t* banned_bits, const uint32_t* special_bits,
+    const uint32_t* bitmask, float (&raws)[kChunkPerThread], uint32_t* eligible,
+    ChunkTotals* totals) {
+#pragma unroll
+  for (int j = 0; j < kChunkPerThread; ++j) {
+    const int32_t off = threadIdx.x + j * kChunkThreads;
+    const int32_t i = begin + off;
+    const float zi = loaded[j];
+    const bool in_chunk = i < end;
+    const bool finite = controls::IsFinite(zi);
+    totals->non_finite |= in_chunk && !finite;
+    bool allowed = in_chunk && finite;
+    bool candidate = allowed;
+    if constexpr (kFiltered) {
+      const uint32_t bit = 1u << (off & 31);
+      allowed = allowed && !(has_entries && (banned_bits[off >> 5] & bit)) &&
+                !controls::Disallowed(bitmask, i);
+      candidate = allowed && !(has_entries && (special_bits[off >> 5] & bit));
+    }
+    raws[j] = allowed ? zi : controls::kNegInf;
+    totals->raw_max = fmaxf(totals->raw_max, raws[j]);
+    *eligible |= static_cast<uint32_t>(candidate) << j;
+    totals->top = fmaxf(totals->top,
+                        candidate ? controls::FoldZero(zi) : controls::kNegInf);
+    totals->eligible += candidate;
+  }
+}
+
 // One block per (chunk, row); thread t holds tokens begin + t + 256 j. Each
 // token is read once and its distance bin computed once (kept as a byte per
-// token), and six blocks fit an SM (40 registers, 8 bytes spilled on
-// sm_90a): this kernel is bound by
-// its instructions and their latency, not by the logits it reads (Nsight
-// Compute at [128, 151936] on an H100: 63% of the SM's issue rate, 12% of
-// DRAM's bandwidth, at four blocks per SM recomputing the bin in every
-// phase).
+// token), and six blocks fit an SM (40 registers, 28 bytes spilled on
+// sm_90a): this kernel is bound by its instructions, not by the logits it
+// reads (Nsight Compute at [256, 151936] with top_k + top_p + min_p on an
+// H100: 0.80 warp instructions issued per scheduler and cycle, 26% of
+// DRAM's bandwidth; 141M instructions, 172 us).
 __global__ void __launch_bounds__(kChunkThreads, 6)
     CandidateChunkKernel(const ControlledSampleParams p, CandidateWorkspace w) {
   __shared__ uint32_t special_bits[kChunkTokens / 32];
@@ -786,27 +822,17 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
   float raws[kChunkPerThread];
   uint32_t eligible = 0u;
   ChunkTotals mine{0, controls::kNegInf, controls::kNegInf, 0};
-#pragma unroll
-  for (int j = 0; j < kChunkPerThread; ++j) {
-    const int32_t i = begin + tid + j * kChunkThreads;
-    raws[j] = controls::kNegInf;
-    if (i >= end) continue;
-    const float zi = loaded[j];
-    if (!controls::IsFinite(zi)) {
-      mine.non_finite = 1;
-      continue;
-    }
-    const int32_t off = i - begin;
-    const uint32_t bit = 1u << (off & 31);
-    if (has_entries && (banned_bits[off >> 5] & bit)) continue;
-    if (controls::Disallowed(bitmask, i)) continue;
-    raws[j] = zi;
-    mine.raw_max = fmaxf(mine.raw_max, zi);
-    if (!has_entries || (special_bits[off >> 5] & bit) == 0) {
-      eligible |= 1u << j;
-      mine.top = fmaxf(mine.top, controls::FoldZero(zi));
-      ++mine.eligible;
-    }
+  // Without a bitmask and entries in the chunk (most chunks of most rows)
+  // every finite logit is a candidate: that case has its own copy of the
+  // loop, without the tables' lookups, which the compiler otherwise wraps
+  // in per-token branches (half of this kernel's instructions at [256,
+  // 151936] with top_k + top_p + min_p, Nsight Compute, H100).
+  if (has_entries || bitmask != nullptr) {
+    ClassifyChunkTokens<true>(loaded, begin, end, has_entries, banned_bits,
+                              special_bits, bitmask, raws, &eligible, &mine);
+  } else {
+    ClassifyChunkTokens<false>(loaded, begin, end, false, banned_bits,
+                               special_bits, nullptr, raws, &eligible, &mine);
   }
   const ChunkTotals totals = ChunkBlockTotals(mine, total_slots);
   const float top = totals.top;

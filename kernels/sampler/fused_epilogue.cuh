@@ -944,6 +944,49 @@ __device__ __forceinline__ void StageFragmentQuad(const float (&frags)[2][2][4],
   }
 }
 
+// Writes a staged quad's logits into args.logits_out: four lanes write a
+// column's 16 consecutive rows of one m64 half (64 bytes, two whole
+// sectors) with one 16-byte store each, so that every store instruction
+// writes whole sectors. With each lane storing its own 16 rows in four
+// stores, every store wrote half a sector: at [256, 151936] on an H100
+// that made 14.6M L2 write requests and 80 MB of DRAM reads on top of the
+// 148 MB written, and the kernel took 620 us (now 521-535) against 468
+// without logits. Streaming stores: caching the logits in L2 for the
+// sampler that reads them next measured the same (two A/B rounds).
+__device__ __forceinline__ void StoreStagedQuadLogits(const float* staging,
+                                                      int64_t row0, int col0,
+                                                      int batch_base,
+                                                      const FusedArgs& args) {
+  const int lane = threadIdx.x & 31;
+  const int half = (lane >> 2) & 1;
+  const int run = lane & 3;
+  // Rows at or past the shard's end are TMA's zero padding.
+  const int64_t first_row = row0 + 64 * half + 4 * run;
+  const int64_t rows_left = args.vocab_rows - first_row;
+  const int valid =
+      rows_left <= 0 ? 0 : (rows_left < 4 ? static_cast<int>(rows_left) : 4);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // A quarter-warp reads one column's 32 staged floats: all 32 banks.
+    const int column = 4 * i + (lane >> 3);
+    const int b = batch_base + col0 + column;
+    if (b >= args.batch || valid == 0) continue;
+    const float4 values = *reinterpret_cast<const float4*>(
+        staging + column * kQuadStagingStride + 16 * half + 4 * run);
+    float* dst =
+        args.logits_out + static_cast<int64_t>(b) * args.vocab_rows + first_row;
+    if (valid == 4 && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+      __stcs(reinterpret_cast<float4*>(dst), values);
+    } else {
+      const float scalars[4] = {values.x, values.y, values.z, values.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (q < valid) dst[q] = scalars[q];
+      }
+    }
+  }
+}
+
 template <typename Shared>
 __device__ __forceinline__ void ScoreStagedQuad(
     const float* staging, int64_t row0, int col0, int sample, bool store_logits,
@@ -951,11 +994,14 @@ __device__ __forceinline__ void ScoreStagedQuad(
   const int lane = threadIdx.x & 31;
   const int column = StagedLaneColumn();
   const int half = lane & 1;
+  if (store_logits && args.logits_out != nullptr) {
+    StoreStagedQuadLogits(staging, row0, col0, batch_base, args);
+  }
   const StagedLogits lane_logits{staging + column * kQuadStagingStride +
                                  16 * half};
   ScoreRuns<4, 2>(lane_logits, row0 + 64 * half, 4, col0 + column, sample,
-                  store_logits, batch_base, args, shared, /*use_floor=*/true,
-                  floor);
+                  /*store_logits=*/false, batch_base, args, shared,
+                  /*use_floor=*/true, floor);
 }
 
 template <typename Shared>
