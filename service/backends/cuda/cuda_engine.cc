@@ -160,6 +160,10 @@ struct Slot {
   void* device_plan = nullptr;           // kControlledPlanBudgetBytes
   void* host_outputs = nullptr;  // pinned ControlledOutputLayout at capacity
   void* device_outputs = nullptr;
+  // One GPU: recorded on rank 0's stream after this slot's controlled
+  // sampler; the other slot's next batch waits on it before its stage 1
+  // (CudaEngine::Sample says why).
+  cudaEvent_t sampler_done = nullptr;
   // Host packing state, reused batch after batch (no allocation once warm).
   ControlledPlan plan;
   ControlledRowLists lists;
@@ -544,6 +548,9 @@ absl::Status CudaEngine::Init() {
     FS_RETURN_IF_ERROR(DeviceMalloc(0, &slot.device_outputs,
                                     controlled_output_bytes_,
                                     "cudaMalloc(controlled outputs)"));
+    FS_RETURN_IF_ERROR(Check(
+        cudaEventCreateWithFlags(&slot.sampler_done, cudaEventDisableTiming),
+        "cudaEventCreate"));
     slot.row_bounds.reserve(options_.max_batch_rows);
   }
 
@@ -896,6 +903,8 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
             controlled_workspace_bytes_ - offset, root.stream),
         "LaunchControlledSample"));
   }
+  FS_RETURN_IF_ERROR(Check(cudaEventRecord(slot.sampler_done, root.stream),
+                           "cudaEventRecord"));
   return Check(
       cudaMemcpyAsync(slot.host_outputs, slot.device_outputs, layout->total,
                       cudaMemcpyDeviceToHost, root.stream),
@@ -1050,6 +1059,21 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
         Check(LaunchTrapKernel(slot.ranks[0].stream), "LaunchTrapKernel"));
   }
   SlotRank& root = slot.ranks[0];
+  if (ranks_.size() == 1) {
+    // A batch queued beside a controlled one waits for that batch's
+    // sampler: else its fused kernel, queued first, takes every SM as the
+    // other's fused kernel ends, and the other's sampler kernels wait the
+    // whole kernel out behind it (64 single-row callers with controls on
+    // an H100: 44.9k against 41.1k requests/s). Under tensor parallelism
+    // rank 0's stage 1 meets the other ranks' in the exchange, so it is not
+    // held back alone.
+    for (const Slot& other : slots_) {
+      if (&other == &slot) continue;
+      FS_RETURN_IF_ERROR(
+          Check(cudaStreamWaitEvent(root.stream, other.sampler_done, 0),
+                "cudaStreamWaitEvent"));
+    }
+  }
   ControlledOutputLayout layout;
   if (controlled) {
     // The materialized path takes only the logits from stage 1 (the
@@ -1146,6 +1170,7 @@ void CudaEngine::Release() {
       }
       if (slot.device_plan != nullptr) cudaFree(slot.device_plan);
       if (slot.device_outputs != nullptr) cudaFree(slot.device_outputs);
+      if (slot.sampler_done != nullptr) cudaEventDestroy(slot.sampler_done);
     }
     if (slot.host_input != nullptr) cudaFreeHost(slot.host_input);
     if (slot.host_tokens != nullptr) cudaFreeHost(slot.host_tokens);
