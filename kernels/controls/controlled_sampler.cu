@@ -551,7 +551,7 @@ __global__ void __launch_bounds__(kThreads)
 // sample it.
 
 constexpr int kChunkTokens = 2048;
-constexpr int kChunkThreads = 256;
+constexpr int kChunkThreads = 128;
 constexpr int kChunkPerThread = kChunkTokens / kChunkThreads;
 constexpr int kChunkWarps = kChunkThreads / 32;
 constexpr int kChunkCandidates = 64;
@@ -560,7 +560,9 @@ constexpr int kChunkCandidates = 64;
 // most logits share a handful of bins) keeps shared-memory atomics apart.
 constexpr int kDistanceBins = 256;
 constexpr float kBinsPerLogit = 8.0f;
-static_assert(kDistanceBins == kChunkThreads, "thread b holds bin b");
+// Thread t of the chunk kernel holds bins kBinsPerThread * t onwards.
+constexpr int kBinsPerThread = kDistanceBins / kChunkThreads;
+static_assert(kDistanceBins % kChunkThreads == 0, "bins per thread");
 // The candidate slots the merge kernel holds (shared memory): rows of up to
 // 8192 / 64 = 128 chunks (V <= 262144) take the candidate path.
 constexpr int kMergeCandidateRoom = 8192;
@@ -699,22 +701,22 @@ __device__ ChunkTotals ChunkBlockTotals(ChunkTotals mine, ChunkTotals* slots) {
 }
 
 // The chunk kernel's first pass over a thread's tokens begin + threadIdx.x
-// + 256 j: raws[j] is the raw logit of an allowed, unbanned, finite token,
-// -inf otherwise; bit j of *eligible marks such a token without a
-// per-token entry (a candidate); *totals gathers their counts and maxima.
+// + kChunkThreads j, in place: raws[j], the token's raw logit, stays where
+// the token is allowed, unbanned and finite and becomes -inf otherwise; bit
+// j of *eligible marks such a token without a per-token entry (a
+// candidate); *totals gathers their counts and maxima.
 // kFiltered: the row has a bitmask or the chunk has entries (their bit
 // tables, one bit per token of the chunk).
 template <bool kFiltered>
 __device__ __forceinline__ void ClassifyChunkTokens(
-    const float (&loaded)[kChunkPerThread], int32_t begin, int32_t end,
+    float (&raws)[kChunkPerThread], int32_t begin, int32_t end,
     bool has_entries, const uint32_t* banned_bits, const uint32_t* special_bits,
-    const uint32_t* bitmask, float (&raws)[kChunkPerThread], uint32_t* eligible,
-    ChunkTotals* totals) {
+    const uint32_t* bitmask, uint32_t* eligible, ChunkTotals* totals) {
 #pragma unroll
   for (int j = 0; j < kChunkPerThread; ++j) {
     const int32_t off = threadIdx.x + j * kChunkThreads;
     const int32_t i = begin + off;
-    const float zi = loaded[j];
+    const float zi = raws[j];
     const bool in_chunk = i < end;
     const bool finite = controls::IsFinite(zi);
     totals->non_finite |= in_chunk && !finite;
@@ -735,13 +737,16 @@ __device__ __forceinline__ void ClassifyChunkTokens(
   }
 }
 
-// One block per (chunk, row); thread t holds tokens begin + t + 256 j. Each
-// token is read once, and six blocks fit an SM (40 registers, 32 bytes
-// spilled on sm_90a): this kernel is bound by its instructions, not by the
-// logits it reads (Nsight Compute at [256, 151936] with top_k + top_p +
-// min_p on an H100: 0.80 warp instructions issued per scheduler and cycle,
-// 26% of DRAM's bandwidth).
-__global__ void __launch_bounds__(kChunkThreads, 6)
+// One block per (chunk, row); thread t holds tokens begin + t + 128 j, all
+// read once. This kernel is bound by its instructions, not by the logits it
+// reads (Nsight Compute at [256, 151936] with top_k + top_p + min_p on an
+// H100: 0.80 warp instructions issued per scheduler and cycle, 26% of
+// DRAM's bandwidth), and a block's reductions, scans and barriers cost the
+// same whatever its tokens per thread: 128 threads of 16 tokens (64
+// registers, eight blocks per SM) ran 106.6M instructions in 133.5 us
+// there, 256 threads of 8 tokens 134.5M in 165 us; 64 threads of 32
+// spilled 120 bytes and took 114 KB of code.
+__global__ void __launch_bounds__(kChunkThreads, 8)
     CandidateChunkKernel(const ControlledSampleParams p, CandidateWorkspace w) {
   __shared__ uint32_t special_bits[kChunkTokens / 32];
   __shared__ uint32_t banned_bits[kChunkTokens / 32];
@@ -768,13 +773,13 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
   // search and the barriers below: a load issued where its value is used
   // stalls there on its own (38% of the kernel's stall samples, Nsight
   // Compute at [128, 151936] on an H100).
-  float loaded[kChunkPerThread];
+  float raws[kChunkPerThread];
 #pragma unroll
   for (int j = 0; j < kChunkPerThread; ++j) {
     const int32_t i = begin + tid + j * kChunkThreads;
-    loaded[j] = i < end ? z[i] : 0.0f;
+    raws[j] = i < end ? z[i] : 0.0f;
   }
-  hist[tid] = 0u;
+  for (int b = tid; b < kDistanceBins; b += kChunkThreads) hist[b] = 0u;
   if (warp == 0) {
     // The row's first entry at or after `begin`, found by a warp in at
     // most three dependent loads: every other thread waits for it at the
@@ -815,10 +820,8 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
   const uint32_t* bitmask =
       c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
   const float inv_t = RowInverseTemperature(c);
-  // raws[j]: raw logit of an allowed, unbanned, finite token, -inf
-  // otherwise; bit j of `eligible`: such a token without a per-token entry
-  // (a candidate; its key is OrderKey(FoldZero(raws[j]))).
-  float raws[kChunkPerThread];
+  // Bit j of `eligible`: raws[j] is a candidate's (its key is
+  // OrderKey(FoldZero(raws[j]))).
   uint32_t eligible = 0u;
   ChunkTotals mine{0, controls::kNegInf, controls::kNegInf, 0};
   // Without a bitmask and entries in the chunk (most chunks of most rows)
@@ -827,11 +830,11 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
   // in per-token branches (half of this kernel's instructions at [256,
   // 151936] with top_k + top_p + min_p, Nsight Compute, H100).
   if (has_entries || bitmask != nullptr) {
-    ClassifyChunkTokens<true>(loaded, begin, end, has_entries, banned_bits,
-                              special_bits, bitmask, raws, &eligible, &mine);
+    ClassifyChunkTokens<true>(raws, begin, end, has_entries, banned_bits,
+                              special_bits, bitmask, &eligible, &mine);
   } else {
-    ClassifyChunkTokens<false>(loaded, begin, end, false, banned_bits,
-                               special_bits, nullptr, raws, &eligible, &mine);
+    ClassifyChunkTokens<false>(raws, begin, end, false, banned_bits,
+                               special_bits, nullptr, &eligible, &mine);
   }
   const ChunkTotals totals = ChunkBlockTotals(mine, total_slots);
   const float top = totals.top;
@@ -842,10 +845,9 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
   // left out bounds the rest, its highest key the boundary. Bins never
   // rise as values fall, so a token is written exactly when its bin is
   // before the cut; the bins are recomputed rather than kept as a byte per
-  // token, in one histogram for the block (thread b holds bin b) rather
-  // than one per warp: 134.5M against 141M instructions, 165 against 172
-  // us at [256, 151936] (Nsight Compute, H100). Four blocks per SM (64
-  // registers, no spills) ran 129M instructions in 169 us.
+  // token, in one histogram for the block rather than one per warp (with
+  // 256 threads of 8 tokens: 134.5M against 141M instructions, 165 against
+  // 172 us at [256, 151936], Nsight Compute, H100).
   const bool truncated = totals.eligible > kChunkCandidates;
   uint32_t writes = eligible;
   if (truncated) {
@@ -856,12 +858,21 @@ __global__ void __launch_bounds__(kChunkThreads, 6)
       }
     }
     __syncthreads();
-    const int bin_count = hist[tid];
+    int counts[kBinsPerThread];
+    int bin_count = 0;
+#pragma unroll
+    for (int k = 0; k < kBinsPerThread; ++k) {
+      counts[k] = hist[kBinsPerThread * tid + k];
+      bin_count += counts[k];
+    }
     int all = 0;
-    const int before =
-        BlockExclusiveScan<kChunkWarps>(bin_count, warp_slots, &all);
-    if (before <= kChunkCandidates && before + bin_count > kChunkCandidates)
-      cut_bin = tid;
+    int before = BlockExclusiveScan<kChunkWarps>(bin_count, warp_slots, &all);
+#pragma unroll
+    for (int k = 0; k < kBinsPerThread; ++k) {
+      if (before <= kChunkCandidates && before + counts[k] > kChunkCandidates)
+        cut_bin = kBinsPerThread * tid + k;
+      before += counts[k];
+    }
     __syncthreads();
     const int cut = cut_bin;
     uint32_t highest_left_out = 0u;
