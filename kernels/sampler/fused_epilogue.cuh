@@ -950,7 +950,7 @@ __device__ __forceinline__ void StageFragmentQuad(const float (&frags)[2][2][4],
 // writes whole sectors. With each lane storing its own 16 rows in four
 // stores, every store wrote half a sector: at [256, 151936] on an H100
 // that made 14.6M L2 write requests and 80 MB of DRAM reads on top of the
-// 148 MB written, and the kernel took 620 us (now 520-535) against
+// 148 MB written, and the kernel took 620 us (now 518-535) against
 // 468-483 without logits. Streaming stores: caching the logits in L2 for the
 // sampler that reads them next measured the same (two A/B rounds).
 __device__ __forceinline__ void StoreStagedQuadLogits(const float* staging,
