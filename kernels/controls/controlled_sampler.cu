@@ -577,6 +577,8 @@ __host__ __device__ constexpr size_t MergeCandidateBytes(int chunks) {
 // The row's per-token entries the merge kernel holds; rows with more take
 // the full passes.
 constexpr int kMergeEntryRoom = 2048;
+static_assert(kMergeCandidateRoom + kMergeEntryRoom <= 65536,
+              "the merge kernel's 32-bit sums of 16-bit mass quarters");
 // The most candidates the merge kernel sorts (the top_k / top_p prefix).
 constexpr int kMergeSortCapacity = 2048;
 
@@ -988,12 +990,15 @@ __device__ U128 BlockMassSum(unsigned long long hi, unsigned long long lo,
 // An upper bound on the top-p mass (FixedMass units) of the members the
 // merge does not see: the truncated chunks' tails, from their float sums
 // (within 2e-4 of exact; 1e-3 of headroom and one unit per token), and the
-// written candidates at or below the bound, exactly. Every thread calls it.
+// written candidates at or below the bound, exactly, from the merge
+// kernel's shared copies of the row's slots (cand_raw) and of each chunk's
+// count of written slots. Every thread calls it.
 __device__ U128 UnseenMassBound(const CandidateWorkspace& w,
                                 const ChunkSummary* summaries,
-                                int64_t row_slots, uint32_t bound_key,
-                                float floor, float x_max, float inv_t,
-                                int32_t vocab, SharedState& sh) {
+                                const float* cand_raw,
+                                const int32_t* chunk_written,
+                                uint32_t bound_key, float floor, float x_max,
+                                float inv_t, int32_t vocab, SharedState& sh) {
   double tail = 0.0;
   for (int q = threadIdx.x; q < w.chunks; q += kThreads) {
     const ChunkSummary& s = summaries[q];
@@ -1009,9 +1014,8 @@ __device__ U128 UnseenMassBound(const CandidateWorkspace& w,
   unsigned long long hi = 0, lo = 0;
   const int slots = w.chunks * kChunkCandidates;
   for (int s = threadIdx.x; s < slots; s += kThreads) {
-    if ((s % kChunkCandidates) >= summaries[s / kChunkCandidates].written)
-      continue;
-    const float v = w.raws[row_slots + s];
+    if ((s % kChunkCandidates) >= chunk_written[s / kChunkCandidates]) continue;
+    const float v = cand_raw[s];
     if (controls::OrderKey(v) > bound_key) continue;
     const float x = controls::ScaledLogit(v, inv_t);
     if (!(x >= floor)) continue;
@@ -1059,8 +1063,15 @@ struct MergeShared {
   float entry_x[kMergeEntryRoom];
   float entry_raw[kMergeEntryRoom];
   uint32_t bin_count[kDistanceBins];
-  unsigned long long bin_mass_hi[kDistanceBins];
-  unsigned long long bin_mass_lo[kDistanceBins];
+  // Top-p masses per bin as four 16-bit quarters, each summed in 32 bits
+  // (below 2^32 for up to 65536 members; the room is 10240) with the
+  // native 32-bit shared atomics: 64-bit ones are compare-and-swap loops,
+  // which retried about four times a member and took a fifth of this
+  // kernel's stall samples for top_p alone at [64, 151936]; with these
+  // (and UnseenMassBound reading shared memory) the kernel took 27-28
+  // against 36-37 us there (Nsight Compute, H100). The bin's mass is the
+  // sum of quarter k << 16 k.
+  uint32_t bin_mass_quarter[4][kDistanceBins];
   // The sorted prefix: PackedKey(x, id), descending, and each one's mass.
   unsigned long long sorted[kMergeSortCapacity];
   unsigned long long mass[kMergeSortCapacity];
@@ -1202,8 +1213,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int b = tid; b < kDistanceBins; b += kThreads) {
     m.bin_count[b] = 0u;
-    m.bin_mass_hi[b] = 0ull;
-    m.bin_mass_lo[b] = 0ull;
+    for (int k = 0; k < 4; ++k) m.bin_mass_quarter[k][b] = 0u;
   }
   __syncthreads();
   const int num_entries = static_cast<int>(entries);
@@ -1259,10 +1269,11 @@ __global__ void __launch_bounds__(kThreads)
       atomicAdd(&m.bin_count[b], 1u);
       if (use_top_p && !use_top_k) {  // top_k rows sum within_k later
         const uint64_t mass = controls::FixedMass(x, x_max);
-        atomicAdd(&m.bin_mass_hi[b],
-                  static_cast<unsigned long long>(mass >> 32));
-        atomicAdd(&m.bin_mass_lo[b],
-                  static_cast<unsigned long long>(mass & 0xffffffffu));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          atomicAdd(&m.bin_mass_quarter[k][b],
+                    static_cast<uint32_t>(mass >> (16 * k)) & 0xffffu);
+        }
         mass_hi += mass >> 32;
         mass_lo += mass & 0xffffffffu;
       }
@@ -1274,8 +1285,8 @@ __global__ void __launch_bounds__(kThreads)
     // allow.
     U128 unseen = 0;
     if (use_top_p && !use_top_k && !closed) {
-      unseen = UnseenMassBound(w, summaries, row_slots, bound_key, floor, x_max,
-                               inv_t, vocab, sh);
+      unseen = UnseenMassBound(w, summaries, cand_raw, chunk_written, bound_key,
+                               floor, x_max, inv_t, vocab, sh);
     }
     if (tid < 32) {
       // Warp 0 scans the bins, lane l owning bins 8l .. 8l + 7: the first
@@ -1284,8 +1295,10 @@ __global__ void __launch_bounds__(kThreads)
       constexpr int kBinsPerLane = kDistanceBins / 32;
       auto weight = [&](int b) -> U128 {
         if (use_top_k) return static_cast<U128>(m.bin_count[b]);
-        return (static_cast<U128>(m.bin_mass_hi[b]) << 32) +
-               static_cast<U128>(m.bin_mass_lo[b]);
+        U128 mass = 0;
+        for (int k = 0; k < 4; ++k)
+          mass += static_cast<U128>(m.bin_mass_quarter[k][b]) << (16 * k);
+        return mass;
       };
       const U128 target =
           use_top_k ? static_cast<U128>(c.top_k)
