@@ -273,6 +273,10 @@ class CudaEngine final : public Engine {
   size_t controlled_workspace_bytes_ = 0;
   size_t controlled_output_bytes_ = 0;  // ControlledOutputLayout at capacity
   std::atomic<bool> broken_{false};
+  // Set once any slot has recorded its sampler_done: until then no batch
+  // has a controlled sampler to wait for, and plain batches make no
+  // cudaStreamWaitEvent call (host time on every batch otherwise).
+  std::atomic<bool> sampler_recorded_{false};
   // NCCL communicators of the device-API transport; outlive the exchanges.
   std::unique_ptr<TpComms> tp_comms_;
   // Why kAuto fell back to CUDA peer access (empty otherwise).
@@ -905,6 +909,7 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
   }
   FS_RETURN_IF_ERROR(Check(cudaEventRecord(slot.sampler_done, root.stream),
                            "cudaEventRecord"));
+  sampler_recorded_.store(true, std::memory_order_release);
   return Check(
       cudaMemcpyAsync(slot.host_outputs, slot.device_outputs, layout->total,
                       cudaMemcpyDeviceToHost, root.stream),
@@ -1059,7 +1064,7 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
         Check(LaunchTrapKernel(slot.ranks[0].stream), "LaunchTrapKernel"));
   }
   SlotRank& root = slot.ranks[0];
-  if (ranks_.size() == 1) {
+  if (ranks_.size() == 1 && sampler_recorded_.load(std::memory_order_acquire)) {
     // A batch queued beside a controlled one waits for that batch's
     // sampler: else its fused kernel, queued first, takes every SM as the
     // other's fused kernel ends, and the other's sampler kernels wait the
