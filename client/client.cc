@@ -399,6 +399,28 @@ absl::StatusOr<v1::ModelInfo> SamplerClient::GetModelInfo() {
   return info;
 }
 
+absl::Status SamplerClient::RegisterSharedMemory(const std::string& name,
+                                                 const std::string& key,
+                                                 uint64_t byte_size) {
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_byte_size(byte_size);
+  return CallWithRetry([&](grpc::ClientContext* context) {
+    v1::RegisterSharedMemoryResponse response;
+    return stub_->RegisterSharedMemory(context, request, &response);
+  });
+}
+
+absl::Status SamplerClient::UnregisterSharedMemory(const std::string& name) {
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  return CallWithRetry([&](grpc::ClientContext* context) {
+    v1::UnregisterSharedMemoryResponse response;
+    return stub_->UnregisterSharedMemory(context, request, &response);
+  });
+}
+
 absl::StatusOr<HealthStatus> SamplerClient::CheckHealth(
     const std::string& service) {
   grpc::GenericStub generic(channel_);

@@ -166,6 +166,12 @@ class SamplerClient {
   // One Sample call with deadline and retries.
   absl::StatusOr<v1::SampleResponse> Sample(const v1::SampleRequest& request);
   absl::StatusOr<v1::ModelInfo> GetModelInfo();
+  // RegisterSharedMemory / UnregisterSharedMemory (client/shared_memory.h
+  // makes the region): the daemon maps `byte_size` bytes of the object
+  // shm_open(`key`) names, read-only, and requests may then name it.
+  absl::Status RegisterSharedMemory(const std::string& name,
+                                    const std::string& key, uint64_t byte_size);
+  absl::Status UnregisterSharedMemory(const std::string& name);
   // grpc.health.v1.Health/Check; "" asks about the whole server. A service
   // the server does not know is kServiceUnknown (the protocol's NOT_FOUND).
   absl::StatusOr<HealthStatus> CheckHealth(const std::string& service = "");

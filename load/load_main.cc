@@ -2,10 +2,12 @@
 //   fs_load --target=host:port --mode=closed --concurrency=16 --duration=30s
 //   fs_load --target=host:port --mode=open --rate=500 --rows=4 --csv=run.csv
 //   fs_load --target=host:port --mode=closed --concurrency=16 --stream
+//   fs_load --target=localhost:50051 --rows=256 --shared_memory
 // Prints latency percentiles, throughput and error counts by gRPC code;
 // --csv writes one line per call (load/plot_latency.py plots it) and
 // --summary_csv appends one line per run (for sweeps).
 #include <malloc.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <memory>
@@ -19,6 +21,7 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/hidden_states.h"
+#include "client/shared_memory.h"
 #include "common/program_flags.h"
 #include "load/load_runner.h"
 #include "load/load_stats.h"
@@ -46,6 +49,10 @@ ABSL_FLAG(int, rows, 1, "rows (hidden states) per request");
 ABSL_FLAG(std::string, hidden_file, "",
           "hidden states (.npy or raw fp32 with --rows rows); default random");
 ABSL_FLAG(std::string, dtype, "bf16", "wire dtype: fp32, bf16 or fp16");
+ABSL_FLAG(bool, shared_memory, false,
+          "send the hidden states by reference: written once to a "
+          "shared-memory region registered with the daemon, which must run "
+          "on this host with --max_shared_memory_regions >= 1");
 ABSL_FLAG(float, temperature, 1.0f, "sampling temperature; 0 = greedy");
 ABSL_FLAG(int, n, 1, "samples per row");
 ABSL_FLAG(int, top_k, 0, "top_k of every row; 0 = off");
@@ -161,9 +168,32 @@ int Main(int argc, char** argv) {
   auto request = MakeSampleRequest(hidden, fields);
   if (!request.ok()) return Fail(request.status());
 
+  std::unique_ptr<SharedMemoryRegion> region;
+  const std::string region_name = absl::StrCat("fs_load_", getpid());
+  if (absl::GetFlag(FLAGS_shared_memory)) {
+    auto created = SharedMemoryRegion::Create(
+        absl::StrCat("/", region_name), request->hidden_states().data().size());
+    if (!created.ok()) return Fail(created.status());
+    region = *std::move(created);
+    if (auto s =
+            MoveHiddenStatesToSharedMemory(*region, region_name, 0, &*request);
+        !s.ok()) {
+      return Fail(s);
+    }
+    if (auto s = (*client)->RegisterSharedMemory(region_name, region->key(),
+                                                 region->size());
+        !s.ok()) {
+      return Fail(s);
+    }
+  }
   auto result = RunLoad(
       clients, std::make_shared<const v1::SampleRequest>(*std::move(request)),
       load);
+  if (region != nullptr) {
+    if (auto s = (*client)->UnregisterSharedMemory(region_name); !s.ok()) {
+      std::fprintf(stderr, "fs_load: %s\n", s.ToString().c_str());
+    }
+  }
   if (!result.ok()) return Fail(result.status());
   const LoadSummary summary =
       Summarize(result->records, result->duration_s, result->dropped);
@@ -175,8 +205,9 @@ int Main(int argc, char** argv) {
   } else {
     std::printf(" (%.1f req/s offered)", load.rate);
   }
-  std::printf(", %lld rows per request\n%s",
+  std::printf(", %lld rows per request%s\n%s",
               static_cast<long long>(hidden.rows),
+              region != nullptr ? " (hidden states in shared memory)" : "",
               FormatSummary(summary).c_str());
 
   if (const std::string csv = absl::GetFlag(FLAGS_csv); !csv.empty()) {

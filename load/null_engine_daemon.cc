@@ -28,6 +28,8 @@ ABSL_FLAG(int64_t, hidden, 4096, "D the engine claims");
 ABSL_FLAG(std::string, input_dtype, "bf16",
           "dtype the engine takes hidden states in: bf16 or fp32");
 ABSL_FLAG(int, max_batch_rows, 256, "largest batch");
+ABSL_FLAG(int, max_shared_memory_regions, 0,
+          "shared-memory regions callers may register (0: none)");
 ABSL_FLAG(int, slots, 2, "batches in flight at once");
 ABSL_FLAG(absl::Duration, engine_delay, absl::ZeroDuration(),
           "time each batch takes (a kernel stand-in); 0 = returns at once");
@@ -93,6 +95,8 @@ int Main(int argc, char** argv) {
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
+  options.max_shared_memory_regions =
+      absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.drain_timeout = absl::Seconds(5);
   const DType dtype =
       absl::GetFlag(FLAGS_input_dtype) == "fp32" ? DType::kFp32 : DType::kBf16;

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype_convert.h"
+#include "service/serving/shared_memory.h"
 
 namespace flashsampler {
 
@@ -382,12 +383,23 @@ std::vector<Batcher::Completion> Batcher::RunBatch(
   char* input = static_cast<char*>(engine_->slot_input(slot));
   std::vector<RowSpec> specs;
   int rows = 0;
-  for (const std::unique_ptr<BatchItem>& item : kept) {
+  std::vector<std::unique_ptr<BatchItem>> gathered;
+  gathered.reserve(kept.size());
+  for (std::unique_ptr<BatchItem>& item : kept) {
     char* to = input + rows * input_row_bytes_;
     if (item->hidden != nullptr) {
       ConvertDType(item->dtype, item->hidden,
                    static_cast<size_t>(item->rows) * info.hidden_size,
                    info.input_dtype, to);
+    } else if (item->shared_hidden != nullptr) {
+      if (absl::Status s = CopyFiniteRows(info.input_dtype, item->shared_hidden,
+                                          item->rows, info.hidden_size, to);
+          !s.ok()) {
+        BatchTiming timing;
+        timing.queue_seconds = Seconds(launch - item->enqueued_);
+        done.push_back({std::move(item), std::move(s), {}, timing});
+        continue;
+      }
     } else {
       for (absl::string_view piece : *item->hidden_pieces) {
         std::memcpy(to, piece.data(), piece.size());
@@ -397,7 +409,10 @@ std::vector<Batcher::Completion> Batcher::RunBatch(
     specs.insert(specs.end(), item->specs, item->specs + item->rows);
     rows += item->rows;
     metrics_->ObserveQueueWait(Seconds(launch - item->enqueued_));
+    gathered.push_back(std::move(item));
   }
+  kept = std::move(gathered);
+  if (kept.empty()) return done;
 
   BatchView view;
   view.slot = slot;

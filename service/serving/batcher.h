@@ -57,6 +57,10 @@ class BatchItem {
   // When `hidden` is null: the rows' bytes in order, in the engine's input
   // dtype, left in the transport's buffers (copied once, into the batch).
   const std::vector<absl::string_view>* hidden_pieces = nullptr;
+  // When `hidden` is null and this is set: the rows' bytes, in the engine's
+  // input dtype, in a caller's shared-memory mapping, copied into the batch
+  // and checked there (CopyFiniteRows); a failure fails this item alone.
+  const char* shared_hidden = nullptr;
   const RowSpec* specs = nullptr;  // rows entries
   absl::Time deadline = absl::InfiniteFuture();
 

@@ -212,7 +212,15 @@ absl::Status Decode(const v1::SampleRequest& request,
     data_bytes = 0;
     for (absl::string_view piece : *data) data_bytes += piece.size();
   }
-  if (data_bytes != expected_bytes) {
+  const bool by_reference = tensor.has_shared_memory();
+  if (by_reference && data_bytes != 0) {
+    return Invalid(
+        "hidden_states.data",
+        absl::StrCat("must be empty when hidden_states.shared_memory "
+                     "is set, got ",
+                     data_bytes, " bytes"));
+  }
+  if (!by_reference && data_bytes != expected_bytes) {
     return Invalid(
         "hidden_states.data",
         absl::StrCat("must hold B x D x ", DTypeSize(*dtype), " = ", rows,
@@ -223,8 +231,42 @@ absl::Status Decode(const v1::SampleRequest& request,
   // gathered into one buffer when they must be converted (or are one piece).
   out->hidden_pieces.clear();
   out->gathered.clear();
+  out->shared_copy.reset();
+  out->shared = SharedBytes();
   const void* contiguous = tensor.data().data();
-  if (data != nullptr) {
+  bool checked_at_launch = false;
+  if (by_reference) {
+    constexpr char kField[] = "hidden_states.shared_memory";
+    if (config.shared_memory == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(kField,
+                       ": this daemon serves no shared memory "
+                       "(--max_shared_memory_regions is 0)"));
+    }
+    const v1::SharedMemoryRef& ref = tensor.shared_memory();
+    absl::StatusOr<SharedBytes> found = config.shared_memory->Find(
+        ref.region(), ref.offset(), expected_bytes, kField);
+    if (!found.ok()) return found.status();
+    if (*dtype == config.input_dtype) {
+      // Copied once, straight into the batch's input, and checked there
+      // (CopyFiniteRows): the caller cannot change what the engine gets
+      // after the check.
+      out->shared = *std::move(found);
+      contiguous = nullptr;
+      checked_at_launch = true;
+    } else {
+      // Converted at launch: copied out here first and checked in the copy.
+      out->shared_copy.reset(new char[expected_bytes]);
+      if (!CopyUnlessSigbus(out->shared_copy.get(), found->data,
+                            expected_bytes)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            kField,
+            ".region: the shared-memory object is smaller than when it was "
+            "registered; register it again"));
+      }
+      contiguous = out->shared_copy.get();
+    }
+  } else if (data != nullptr) {
     // A conversion reads whole elements, so a piece it reads in place must
     // be aligned to one.
     const bool aligned =
@@ -242,13 +284,14 @@ absl::Status Decode(const v1::SampleRequest& request,
       contiguous = out->gathered.data();
     }
   }
-  const int bad_row = contiguous != nullptr
+  const int bad_row = checked_at_launch ? -1
+                      : contiguous != nullptr
                           ? FirstNonFiniteRow(*dtype, contiguous, rows, hidden,
                                               config.input_dtype)
                           : FirstNonFiniteRowInPieces(*dtype, *data, hidden);
   if (bad_row >= 0) {
     return Invalid(
-        "hidden_states.data",
+        by_reference ? "hidden_states.shared_memory" : "hidden_states.data",
         absl::StrCat(
             "must be finite, row ", bad_row, " holds NaN or Inf",
             config.input_dtype != *dtype && config.input_dtype != DType::kFp32
@@ -276,7 +319,7 @@ absl::Status Decode(const v1::SampleRequest& request,
   out->rows = static_cast<int>(rows);
   out->dtype = *dtype;
   out->hidden = contiguous;
-  if (contiguous == nullptr) out->hidden_pieces = *data;
+  if (contiguous == nullptr && !checked_at_launch) out->hidden_pieces = *data;
   out->params.clear();
   std::vector<std::string> prefixes;
   if (request.row_params_size() == 0) {

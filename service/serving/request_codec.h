@@ -2,11 +2,13 @@
 // SampleRequest into validated SamplingParams / RowSpecs (every rule of
 // docs/api.md, INVALID_ARGUMENT naming the field and the expected value, then
 // UNIMPLEMENTED for controls the backend lacks) and engine results back into
-// a SampleResponse. Pure functions of their inputs; never blocks.
+// a SampleResponse. Pure functions of their inputs (and of the registered
+// shared-memory regions a request names); never blocks.
 #ifndef FLASHSAMPLER_SERVICE_SERVING_REQUEST_CODEC_H_
 #define FLASHSAMPLER_SERVICE_SERVING_REQUEST_CODEC_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "flashsampler/v1/sampler.pb.h"
 #include "service/backends/sampling_params.h"
 #include "service/serving/server_options.h"
+#include "service/serving/shared_memory.h"
 
 namespace flashsampler {
 
@@ -29,6 +32,9 @@ struct CodecConfig {
   DType input_dtype = DType::kFp32;
   RequestLimits limits;
   std::string backend;  // named in UNIMPLEMENTED messages
+  // Regions Tensor.shared_memory may name; null = none may be named
+  // (FAILED_PRECONDITION). Must outlive every decode.
+  const SharedMemoryRegistry* shared_memory = nullptr;
   // EngineInfo::supported_controls.
   std::vector<std::string> supported_controls;
 };
@@ -46,6 +52,13 @@ struct DecodedRequest {
   std::vector<absl::string_view> hidden_pieces;
   // The pieces gathered, when they must be converted: `hidden` points here.
   std::string gathered;
+  // Set instead of `hidden` and `hidden_pieces` when the rows' bytes, in
+  // config.input_dtype, are in a shared-memory region: the batch copies
+  // them and checks they are finite (CopyFiniteRows).
+  SharedBytes shared;
+  // The bytes copied out of a shared-memory region when they must be
+  // converted: `hidden` points here, and they have been checked.
+  std::unique_ptr<char[]> shared_copy;
   std::vector<SamplingParams> params;  // 1 (broadcast) or `rows` entries
   std::vector<uint64_t> seeds;         // rows; drawn by the server if absent
   std::vector<RowSpec> specs;          // rows

@@ -23,6 +23,8 @@ namespace {
 constexpr char kSample[] = "Sample";
 constexpr char kSampleStream[] = "SampleStream";
 constexpr char kGetModelInfo[] = "GetModelInfo";
+constexpr char kRegisterSharedMemory[] = "RegisterSharedMemory";
+constexpr char kUnregisterSharedMemory[] = "UnregisterSharedMemory";
 constexpr absl::Duration kDrainGrace = absl::Milliseconds(50);
 
 absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
@@ -31,6 +33,12 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
     return absl::InfiniteFuture();
   }
   return absl::FromChrono(deadline);
+}
+
+absl::Status NoSharedMemory() {
+  return absl::FailedPreconditionError(
+      "this daemon serves no shared memory (--max_shared_memory_regions is "
+      "0): send hidden_states.data instead");
 }
 
 double SecondsSince(absl::Time start) {
@@ -114,6 +122,7 @@ void Describe(const DecodedRequest& decoded, absl::Time deadline,
   item->dtype = decoded.dtype;
   item->hidden = decoded.hidden;
   item->hidden_pieces = &decoded.hidden_pieces;
+  item->shared_hidden = decoded.shared.data;
   item->specs = decoded.specs.data();
   item->deadline = deadline;
 }
@@ -446,12 +455,14 @@ class SampleStreamReactor final
 
 SamplerService::SamplerService(Batcher* batcher, Metrics* metrics,
                                CodecConfig codec, v1::ModelInfo model_info,
-                               int max_stream_in_flight)
+                               int max_stream_in_flight,
+                               SharedMemoryRegistry* shared_memory)
     : batcher_(batcher),
       metrics_(metrics),
       codec_(std::move(codec)),
       model_info_(std::move(model_info)),
-      max_stream_in_flight_(std::max(1, max_stream_in_flight)) {}
+      max_stream_in_flight_(std::max(1, max_stream_in_flight)),
+      shared_memory_(shared_memory) {}
 
 SamplerService::~SamplerService() {
   // Server::Stop destroys the service after gRPC's shutdown has ended every
@@ -499,6 +510,38 @@ grpc::ServerUnaryReactor* SamplerService::GetModelInfo(
                            SecondsSince(start));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SamplerService::RegisterSharedMemory(
+    grpc::CallbackServerContext* context,
+    const v1::RegisterSharedMemoryRequest* request,
+    v1::RegisterSharedMemoryResponse* /*response*/) {
+  const absl::Time start = absl::Now();
+  const absl::Status status =
+      shared_memory_ == nullptr
+          ? NoSharedMemory()
+          : shared_memory_->Register(request->name(), request->key(),
+                                     request->byte_size());
+  metrics_->ObserveRequest(kRegisterSharedMemory, status.code(),
+                           SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SamplerService::UnregisterSharedMemory(
+    grpc::CallbackServerContext* context,
+    const v1::UnregisterSharedMemoryRequest* request,
+    v1::UnregisterSharedMemoryResponse* /*response*/) {
+  const absl::Time start = absl::Now();
+  const absl::Status status = shared_memory_ == nullptr
+                                  ? NoSharedMemory()
+                                  : shared_memory_->Unregister(request->name());
+  metrics_->ObserveRequest(kUnregisterSharedMemory, status.code(),
+                           SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 

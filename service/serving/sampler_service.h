@@ -21,23 +21,29 @@
 #include "service/serving/batcher.h"
 #include "service/serving/metrics.h"
 #include "service/serving/request_codec.h"
+#include "service/serving/shared_memory.h"
 
 namespace flashsampler {
 
 class SampleStreamReactor;
 
-// Sample and SampleStream as raw (ByteBuffer) callback methods,
-// GetModelInfo typed.
+// Sample and SampleStream as raw (ByteBuffer) callback methods, the others
+// typed.
 using SamplerServiceBase = v1::Sampler::WithRawCallbackMethod_Sample<
     v1::Sampler::WithRawCallbackMethod_SampleStream<
-        v1::Sampler::WithCallbackMethod_GetModelInfo<v1::Sampler::Service>>>;
+        v1::Sampler::WithCallbackMethod_GetModelInfo<
+            v1::Sampler::WithCallbackMethod_RegisterSharedMemory<
+                v1::Sampler::WithCallbackMethod_UnregisterSharedMemory<
+                    v1::Sampler::Service>>>>>;
 
 class SamplerService final : public SamplerServiceBase {
  public:
-  // `batcher` and `metrics` must outlive the service. `model_info` is what
+  // `batcher`, `metrics` and `shared_memory` (null: the daemon serves no
+  // shared memory) must outlive the service. `model_info` is what
   // GetModelInfo returns.
   SamplerService(Batcher* batcher, Metrics* metrics, CodecConfig codec,
-                 v1::ModelInfo model_info, int max_stream_in_flight);
+                 v1::ModelInfo model_info, int max_stream_in_flight,
+                 SharedMemoryRegistry* shared_memory = nullptr);
   ~SamplerService() override;
 
   // A request that does not parse is INVALID_ARGUMENT "request is not a
@@ -52,6 +58,14 @@ class SamplerService final : public SamplerServiceBase {
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(
+      grpc::CallbackServerContext* context,
+      const v1::RegisterSharedMemoryRequest* request,
+      v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context,
+      const v1::UnregisterSharedMemoryRequest* request,
+      v1::UnregisterSharedMemoryResponse* response) override;
 
   // Drain: waits a short grace so that calls already sent reach their
   // handlers (and the batcher's UNAVAILABLE) before gRPC shuts down; then
@@ -75,6 +89,7 @@ class SamplerService final : public SamplerServiceBase {
   const CodecConfig codec_;
   const v1::ModelInfo model_info_;
   const int max_stream_in_flight_;
+  SharedMemoryRegistry* const shared_memory_;
 
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

@@ -46,6 +46,9 @@ namespace flashsampler {
 namespace {
 
 constexpr char kServiceName[] = "flashsampler.v1.Sampler";
+// Bounds --max_shared_memory_regions: each region is a mapping and a map
+// entry, and a caller needs one or a few.
+constexpr int kMaxSharedMemoryRegions = 65536;
 
 // A TLS file's contents, or an error naming the flag, the path and what is
 // wrong (missing, a directory, unreadable, empty).
@@ -365,6 +368,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::CreateImpl(
   if (options.batcher.overlap_min_rows < 0) {
     return absl::InvalidArgumentError("overlap_min_rows: must be >= 0");
   }
+  if (options.max_shared_memory_regions < 0 ||
+      options.max_shared_memory_regions > kMaxSharedMemoryRegions) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_shared_memory_regions: must be in [0, ", kMaxSharedMemoryRegions,
+        "], got ", options.max_shared_memory_regions));
+  }
   if (options.unix_socket.size() >= sizeof(sockaddr_un::sun_path)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unix_socket: the path must be shorter than ",
@@ -401,6 +410,11 @@ Server::Server(const ServerOptions& options,
   codec.limits = options_.limits;
   codec.backend = info.backend;
   codec.supported_controls = info.supported_controls;
+  if (options_.max_shared_memory_regions > 0) {
+    shared_memory_ = std::make_unique<SharedMemoryRegistry>(
+        options_.max_shared_memory_regions);
+    codec.shared_memory = shared_memory_.get();
+  }
 
   v1::ModelInfo& model = model_;
   model.set_vocab_size(info.vocab_size);
@@ -421,12 +435,13 @@ Server::Server(const ServerOptions& options,
   model.set_weights_source(weights_source_);
   model.set_weights_tensor(prepared.weights_tensor);
   model.set_weights_sha256(prepared.weights_sha256);
+  model.set_max_shared_memory_regions(options_.max_shared_memory_regions);
   for (const std::string& control : info.supported_controls) {
     model.add_supported_features(control);
   }
-  service_ = std::make_unique<SamplerService>(batcher_.get(), metrics_.get(),
-                                              std::move(codec), model_,
-                                              options_.max_stream_in_flight);
+  service_ = std::make_unique<SamplerService>(
+      batcher_.get(), metrics_.get(), std::move(codec), model_,
+      options_.max_stream_in_flight, shared_memory_.get());
 
   metrics_->SetWeightsInfo(info.vocab_size, info.hidden_size,
                            DTypeName(info.weight_dtype),

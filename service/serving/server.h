@@ -51,6 +51,7 @@
 #include "service/serving/metrics_http_server.h"
 #include "service/serving/sampler_service.h"
 #include "service/serving/server_options.h"
+#include "service/serving/shared_memory.h"
 #include "service/weights/weights.h"
 
 namespace flashsampler {
@@ -141,6 +142,8 @@ class Server {
   std::shared_ptr<const Weights> weights_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Batcher> batcher_;
+  // Before the service, which decodes from it.
+  std::unique_ptr<SharedMemoryRegistry> shared_memory_;
   std::unique_ptr<SamplerService> service_;
   std::unique_ptr<grpc::Server> grpc_server_ ABSL_GUARDED_BY(health_mu_);
   int port_ = 0;

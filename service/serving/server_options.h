@@ -79,6 +79,12 @@ struct ServerOptions {
   // Most requests of one SampleStream accepted but not yet answered; the
   // server stops reading that stream until a response has been written.
   int max_stream_in_flight = 32;
+  // Most shared-memory regions callers may register at once
+  // (RegisterSharedMemory; service/serving/shared_memory.h). 0: none, every
+  // request carries its hidden states. Off by default because a region is
+  // any object the daemon's user can read under /dev/shm: turn it on where
+  // every caller that reaches the daemon is trusted with that.
+  int max_shared_memory_regions = 0;
   // How long Stop() (SIGTERM) lets accepted requests and open streams finish
   // before the gRPC server cancels what is left.
   absl::Duration drain_timeout = absl::Seconds(30);

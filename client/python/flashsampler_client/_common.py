@@ -1,10 +1,12 @@
 """What the synchronous and the asyncio clients share: errors, the request
-builder (numpy arrays and torch tensors), channel settings, method paths and
-the dependency-free grpc.health.v1 codec.
+builder (numpy arrays and torch tensors), shared-memory regions for hidden
+states, channel settings, method paths and the dependency-free
+grpc.health.v1 codec.
 """
 
 import random
 import sys
+from multiprocessing import shared_memory
 from typing import (TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple,
                     Optional, Sequence, Tuple, Type, Union)
 
@@ -29,6 +31,8 @@ Seeds = npt.NDArray[np.uint64]
 SAMPLE = "/flashsampler.v1.Sampler/Sample"
 SAMPLE_STREAM = "/flashsampler.v1.Sampler/SampleStream"
 GET_MODEL_INFO = "/flashsampler.v1.Sampler/GetModelInfo"
+REGISTER_SHARED_MEMORY = "/flashsampler.v1.Sampler/RegisterSharedMemory"
+UNREGISTER_SHARED_MEMORY = "/flashsampler.v1.Sampler/UnregisterSharedMemory"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # Trailer holding a serialized google.rpc.Status (gRPC's rich error model).
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -279,9 +283,9 @@ def _is_torch_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def hidden_tensor(hidden: HiddenStates) -> sampler_pb2.Tensor:
-    """[B, D] (or [D]) hidden states -> Tensor; the dtype decides the wire
-    dtype. The bytes are copied once, into the message."""
+def _wire_array(hidden: HiddenStates) -> Tuple[int, npt.NDArray[Any]]:
+    """[B, D] (or [D]) hidden states -> (wire dtype, contiguous
+    little-endian [B, D] array)."""
     if _is_torch_tensor(hidden):
         array = _torch_to_numpy(hidden)
     else:
@@ -304,8 +308,74 @@ def hidden_tensor(hidden: HiddenStates) -> sampler_pb2.Tensor:
             "float16, or bfloat16 bit patterns as uint16 (convert with "
             ".astype(np.float32) first), or a torch tensor")
     data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return sampler_pb2.Tensor(dtype=wire, shape=list(array.shape),
+    return wire, data
+
+
+def hidden_tensor(hidden: HiddenStates) -> sampler_pb2.Tensor:
+    """[B, D] (or [D]) hidden states -> Tensor; the dtype decides the wire
+    dtype. The bytes are copied once, into the message. A Tensor (from
+    SharedMemoryRegion.tensor()) is returned as it is."""
+    if isinstance(hidden, sampler_pb2.Tensor):
+        return hidden
+    wire, data = _wire_array(hidden)
+    return sampler_pb2.Tensor(dtype=wire, shape=list(data.shape),
                               data=data.tobytes())
+
+
+class SharedMemoryRegion:
+    """A POSIX shared-memory object (mode 0600) that this process creates,
+    for hidden states passed by reference to a flashsamplerd on the same
+    host, started with --max_shared_memory_regions >= 1:
+
+        region = SharedMemoryRegion(256 * 4096 * 2)
+        client.register_shared_memory("engine-0", region.key, region.size)
+        tokens, seeds = client.sample(region.tensor(hidden, "engine-0"))
+
+    The daemon copies a request's bytes while it validates it: the region
+    may be rewritten once the response (or error) has arrived. close()
+    unlinks the object; unregister it from the daemon too.
+    """
+
+    def __init__(self, byte_size: int, name: Optional[str] = None) -> None:
+        if byte_size < 1:
+            raise ValueError("byte_size: must be >= 1")
+        self._shm = shared_memory.SharedMemory(name=name, create=True,
+                                               size=byte_size)
+        self.size = int(byte_size)
+
+    @property
+    def key(self) -> str:
+        """The shm_open() name RegisterSharedMemory takes."""
+        return "/" + self._shm.name
+
+    def tensor(self, hidden: HiddenStates, region: str,
+               offset: int = 0) -> sampler_pb2.Tensor:
+        """Writes `hidden` (as sample() takes it) at `offset` and returns
+        the Tensor that names those bytes in the region registered as
+        `region`."""
+        wire, data = _wire_array(hidden)
+        raw = data.view(np.uint8).reshape(-1)
+        if offset < 0 or offset + raw.size > self.size:
+            raise ValueError(f"hidden: {raw.size} bytes at offset {offset} "
+                             f"do not fit the region's {self.size}")
+        buffer = self._shm.buf
+        assert buffer is not None
+        np.frombuffer(buffer, dtype=np.uint8, count=raw.size,
+                      offset=offset)[:] = raw
+        return sampler_pb2.Tensor(
+            dtype=wire, shape=list(data.shape),
+            shared_memory=sampler_pb2.SharedMemoryRef(region=region,
+                                                      offset=offset))
+
+    def close(self) -> None:
+        self._shm.close()
+        self._shm.unlink()
+
+    def __enter__(self) -> "SharedMemoryRegion":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def build_request(hidden: HiddenStates, seeds: RowValues = None,
@@ -419,6 +489,18 @@ class ClientConfig:
             request_serializer=sampler_pb2.GetModelInfoRequest
             .SerializeToString,
             response_deserializer=sampler_pb2.ModelInfo.FromString)
+        self._register_shared_memory = channel.unary_unary(
+            REGISTER_SHARED_MEMORY,
+            request_serializer=sampler_pb2.RegisterSharedMemoryRequest
+            .SerializeToString,
+            response_deserializer=sampler_pb2.RegisterSharedMemoryResponse
+            .FromString)
+        self._unregister_shared_memory = channel.unary_unary(
+            UNREGISTER_SHARED_MEMORY,
+            request_serializer=sampler_pb2.UnregisterSharedMemoryRequest
+            .SerializeToString,
+            response_deserializer=sampler_pb2.UnregisterSharedMemoryResponse
+            .FromString)
         self._health_check = channel.unary_unary(
             HEALTH_CHECK, request_serializer=encode_health_request,
             response_deserializer=decode_health_response)

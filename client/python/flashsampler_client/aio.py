@@ -207,6 +207,22 @@ class AsyncFlashSamplerClient(ClientConfig):
             self._model_info, sampler_pb2.GetModelInfoRequest(), timeout)
         return info
 
+    async def register_shared_memory(self, name: str, key: str,
+                                     byte_size: int,
+                                     timeout: Optional[float] = None) -> None:
+        """As FlashSamplerClient.register_shared_memory."""
+        await self._call(self._register_shared_memory,
+                         sampler_pb2.RegisterSharedMemoryRequest(
+                             name=name, key=key, byte_size=byte_size),
+                         timeout)
+
+    async def unregister_shared_memory(
+            self, name: str, timeout: Optional[float] = None) -> None:
+        """As FlashSamplerClient.unregister_shared_memory."""
+        await self._call(self._unregister_shared_memory,
+                         sampler_pb2.UnregisterSharedMemoryRequest(name=name),
+                         timeout)
+
     async def health(self, service: str = "",
                      timeout: Optional[float] = None) -> str:
         """grpc.health.v1 status, as FlashSamplerClient.health."""

@@ -226,6 +226,23 @@ class FlashSamplerClient(ClientConfig):
             self._model_info, sampler_pb2.GetModelInfoRequest(), timeout)
         return info
 
+    def register_shared_memory(self, name: str, key: str, byte_size: int,
+                               timeout: Optional[float] = None) -> None:
+        """Lets requests name the shared-memory object `key` (see
+        SharedMemoryRegion) as region `name`; the daemon maps its first
+        `byte_size` bytes read-only. FailedPrecondition when the daemon
+        serves no shared memory."""
+        self._call(self._register_shared_memory,
+                   sampler_pb2.RegisterSharedMemoryRequest(
+                       name=name, key=key, byte_size=byte_size), timeout)
+
+    def unregister_shared_memory(self, name: str,
+                                 timeout: Optional[float] = None) -> None:
+        """Forgets region `name`."""
+        self._call(self._unregister_shared_memory,
+                   sampler_pb2.UnregisterSharedMemoryRequest(name=name),
+                   timeout)
+
     def health(self, service: str = "",
                timeout: Optional[float] = None) -> str:
         """grpc.health.v1 status: "SERVING", "NOT_SERVING", "UNKNOWN" or

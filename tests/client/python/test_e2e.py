@@ -2,7 +2,9 @@
 over loopback: the Python client and flashsampler-cli (the C++ client) get
 identical tokens for the same hidden states and seeds; model info, health
 and error mapping; the metric names the alert rules and dashboard use exist;
-fs_load (unary and --stream) and plot_latency.py work against it; SIGTERM stops it with exit 0.
+fs_load (unary, --stream and --shared_memory) and plot_latency.py work
+against it; hidden states by shared memory get the tokens of their bytes;
+SIGTERM stops it with exit 0.
 
 Environment (set by tests/client/CMakeLists.txt): FLASHSAMPLERD,
 FLASHSAMPLER_CLI, FS_LOAD (paths of the built binaries), PYTHONPATH with
@@ -17,6 +19,7 @@ import tempfile
 import unittest
 import urllib.request
 
+import grpc
 import numpy as np
 
 import flashsampler_client
@@ -48,7 +51,7 @@ class DaemonTest(unittest.TestCase):
         cls.metrics_port = free_port()
         cls.daemon = Daemon(VOCAB, HIDDEN, [
             f"--metrics_port={cls.metrics_port}",
-            "--metrics_address=127.0.0.1"])
+            "--metrics_address=127.0.0.1", "--max_shared_memory_regions=4"])
         cls.target = cls.daemon.target
         cls.client = flashsampler_client.FlashSamplerClient(
             cls.target, timeout=20.0, retries=3)
@@ -131,6 +134,41 @@ class DaemonTest(unittest.TestCase):
                                "--seed=1,2,3").stdout
                 np.testing.assert_array_equal(py_tokens,
                                               parse_cli_sample(out)[0])
+
+    def test_hidden_states_by_shared_memory_get_the_same_tokens(self):
+        rng = np.random.default_rng(9)
+        hidden = rng.standard_normal((5, HIDDEN)).astype(np.float32) * 3
+        bf16_bits = (hidden.view(np.uint32) >> 16).astype(np.uint16)
+        seeds = [3, 4, 5, 6, 7]
+        with flashsampler_client.SharedMemoryRegion(1 << 16) as region:
+            self.client.register_shared_memory("e2e", region.key, region.size)
+            try:
+                for array, offset in ((hidden, 0), (bf16_bits, 4096)):
+                    with self.subTest(dtype=array.dtype.name):
+                        inline, _ = self.client.sample(array, seeds=seeds,
+                                                       top_k=50)
+                        tensor = region.tensor(array, "e2e", offset)
+                        self.assertEqual(tensor.data, b"")
+                        by_ref, _ = self.client.sample(tensor, seeds=seeds,
+                                                       top_k=50)
+                        np.testing.assert_array_equal(inline, by_ref)
+                info = self.client.model_info()
+                self.assertEqual(info.max_shared_memory_regions, 4)
+            finally:
+                self.client.unregister_shared_memory("e2e")
+            with self.assertRaises(flashsampler_client.FlashSamplerError) as ctx:
+                self.client.sample(region.tensor(hidden, "e2e"))
+            self.assertEqual(ctx.exception.code, grpc.StatusCode.NOT_FOUND)
+            self.assertIn("hidden_states.shared_memory.region",
+                          ctx.exception.message)
+        # fs_load sends its hidden states by reference too.
+        out = subprocess.run(
+            [os.environ["FS_LOAD"], f"--target={self.target}",
+             "--concurrency=2", "--rows=8", "--duration=0.3s",
+             "--warmup=0s", "--shared_memory"],
+            capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("hidden states in shared memory", out.stdout)
 
     def test_server_drawn_seeds_replay(self):
         hidden = np.random.default_rng(5).standard_normal(

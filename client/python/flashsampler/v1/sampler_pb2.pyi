@@ -39,11 +39,12 @@ class LogprobOptions(_message.Message):
     def __init__(self, sampled_logprob: bool = ..., row_logsumexp: bool = ..., top_logprobs: _Optional[int] = ..., space: _Optional[_Union[LogprobOptions.Space, str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ["backend", "git_revision", "hidden_size", "max_batch_rows", "shards", "supported_features", "tp_degree", "version", "vocab_size", "weight_dtype", "weights_sha256", "weights_source", "weights_tensor"]
+    __slots__ = ["backend", "git_revision", "hidden_size", "max_batch_rows", "max_shared_memory_regions", "shards", "supported_features", "tp_degree", "version", "vocab_size", "weight_dtype", "weights_sha256", "weights_source", "weights_tensor"]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     GIT_REVISION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SHARED_MEMORY_REGIONS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SUPPORTED_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +58,7 @@ class ModelInfo(_message.Message):
     git_revision: str
     hidden_size: int
     max_batch_rows: int
+    max_shared_memory_regions: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardRange]
     supported_features: _containers.RepeatedScalarFieldContainer[str]
     tp_degree: int
@@ -66,7 +68,21 @@ class ModelInfo(_message.Message):
     weights_sha256: str
     weights_source: str
     weights_tensor: str
-    def __init__(self, vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., weight_dtype: _Optional[_Union[DType, str]] = ..., backend: _Optional[str] = ..., tp_degree: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., max_batch_rows: _Optional[int] = ..., version: _Optional[str] = ..., weights_source: _Optional[str] = ..., supported_features: _Optional[_Iterable[str]] = ..., weights_tensor: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., git_revision: _Optional[str] = ...) -> None: ...
+    def __init__(self, vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., weight_dtype: _Optional[_Union[DType, str]] = ..., backend: _Optional[str] = ..., tp_degree: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardRange, _Mapping]]] = ..., max_batch_rows: _Optional[int] = ..., version: _Optional[str] = ..., weights_source: _Optional[str] = ..., supported_features: _Optional[_Iterable[str]] = ..., weights_tensor: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., git_revision: _Optional[str] = ..., max_shared_memory_regions: _Optional[int] = ...) -> None: ...
+
+class RegisterSharedMemoryRequest(_message.Message):
+    __slots__ = ["byte_size", "key", "name"]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    byte_size: int
+    key: str
+    name: str
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterSharedMemoryResponse(_message.Message):
+    __slots__ = []
+    def __init__(self) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ["hidden_states", "params", "request_id", "row_params", "seeds", "steps"]
@@ -150,15 +166,25 @@ class ShardRange(_message.Message):
     vocab_end: int
     def __init__(self, rank: _Optional[int] = ..., device: _Optional[int] = ..., vocab_begin: _Optional[int] = ..., vocab_end: _Optional[int] = ...) -> None: ...
 
+class SharedMemoryRef(_message.Message):
+    __slots__ = ["offset", "region"]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    region: str
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class Tensor(_message.Message):
-    __slots__ = ["data", "dtype", "shape"]
+    __slots__ = ["data", "dtype", "shape", "shared_memory"]
     DATA_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shared_memory: SharedMemoryRef
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shared_memory: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ["batch_rows", "execute_seconds", "queue_seconds"]
@@ -193,6 +219,16 @@ class TopLogprobs(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class UnregisterSharedMemoryRequest(_message.Message):
+    __slots__ = ["name"]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterSharedMemoryResponse(_message.Message):
+    __slots__ = []
+    def __init__(self) -> None: ...
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = []

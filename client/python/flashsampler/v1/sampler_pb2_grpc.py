@@ -29,6 +29,16 @@ class SamplerStub(object):
                 request_serializer=flashsampler_dot_v1_dot_sampler__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=flashsampler_dot_v1_dot_sampler__pb2.ModelInfo.FromString,
                 )
+        self.RegisterSharedMemory = channel.unary_unary(
+                '/flashsampler.v1.Sampler/RegisterSharedMemory',
+                request_serializer=flashsampler_dot_v1_dot_sampler__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=flashsampler_dot_v1_dot_sampler__pb2.RegisterSharedMemoryResponse.FromString,
+                )
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/flashsampler.v1.Sampler/UnregisterSharedMemory',
+                request_serializer=flashsampler_dot_v1_dot_sampler__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=flashsampler_dot_v1_dot_sampler__pb2.UnregisterSharedMemoryResponse.FromString,
+                )
 
 
 class SamplerServicer(object):
@@ -58,6 +68,24 @@ class SamplerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterSharedMemory(self, request, context):
+        """Maps a POSIX shared-memory object that a caller on the daemon's host
+        writes hidden states into, so that a request names an offset in it
+        (Tensor.shared_memory) instead of carrying the bytes. FAILED_PRECONDITION
+        when the daemon serves no shared memory (--max_shared_memory_regions 0,
+        the default).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Forgets a region registered by name; NOT_FOUND when there is none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +103,16 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=flashsampler_dot_v1_dot_sampler__pb2.GetModelInfoRequest.FromString,
                     response_serializer=flashsampler_dot_v1_dot_sampler__pb2.ModelInfo.SerializeToString,
+            ),
+            'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=flashsampler_dot_v1_dot_sampler__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=flashsampler_dot_v1_dot_sampler__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=flashsampler_dot_v1_dot_sampler__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=flashsampler_dot_v1_dot_sampler__pb2.UnregisterSharedMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,5 +172,39 @@ class Sampler(object):
         return grpc.experimental.unary_unary(request, target, '/flashsampler.v1.Sampler/GetModelInfo',
             flashsampler_dot_v1_dot_sampler__pb2.GetModelInfoRequest.SerializeToString,
             flashsampler_dot_v1_dot_sampler__pb2.ModelInfo.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/flashsampler.v1.Sampler/RegisterSharedMemory',
+            flashsampler_dot_v1_dot_sampler__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            flashsampler_dot_v1_dot_sampler__pb2.RegisterSharedMemoryResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/flashsampler.v1.Sampler/UnregisterSharedMemory',
+            flashsampler_dot_v1_dot_sampler__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            flashsampler_dot_v1_dot_sampler__pb2.UnregisterSharedMemoryResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
