@@ -237,32 +237,26 @@ absl::Status Decode(const v1::SampleRequest& request,
   bool checked_at_launch = false;
   if (by_reference) {
     constexpr char kField[] = "hidden_states.shared_memory";
-    if (config.shared_memory == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(kField,
-                       ": this daemon serves no shared memory "
-                       "(--max_shared_memory_regions is 0)"));
-    }
+    if (config.shared_memory == nullptr) return SharedMemoryOff(kField);
     const v1::SharedMemoryRef& ref = tensor.shared_memory();
-    absl::StatusOr<SharedBytes> found = config.shared_memory->Find(
-        ref.region(), ref.offset(), expected_bytes, kField);
-    if (!found.ok()) return found.status();
     if (*dtype == config.input_dtype) {
       // Copied once, straight into the batch's input, and checked there
       // (CopyFiniteRows): the caller cannot change what the engine gets
       // after the check.
+      absl::StatusOr<SharedBytes> found = config.shared_memory->Find(
+          ref.region(), ref.offset(), expected_bytes, kField);
+      if (!found.ok()) return found.status();
       out->shared = *std::move(found);
       contiguous = nullptr;
       checked_at_launch = true;
     } else {
       // Converted at launch: copied out here first and checked in the copy.
       out->shared_copy.reset(new char[expected_bytes]);
-      if (!CopyUnlessSigbus(out->shared_copy.get(), found->data,
-                            expected_bytes)) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            kField,
-            ".region: the shared-memory object is smaller than when it was "
-            "registered; register it again"));
+      if (absl::Status s = config.shared_memory->Read(
+              ref.region(), ref.offset(), expected_bytes, kField,
+              out->shared_copy.get());
+          !s.ok()) {
+        return s;
       }
       contiguous = out->shared_copy.get();
     }

@@ -35,14 +35,19 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(deadline);
 }
 
-absl::Status NoSharedMemory() {
-  return absl::FailedPreconditionError(
-      "this daemon serves no shared memory (--max_shared_memory_regions is "
-      "0): send hidden_states.data instead");
-}
-
 double SecondsSince(absl::Time start) {
   return absl::ToDoubleSeconds(absl::Now() - start);
+}
+
+// Counts a unary call answered in its handler and finishes it there.
+grpc::ServerUnaryReactor* FinishInHandler(grpc::CallbackServerContext* context,
+                                          Metrics* metrics, const char* rpc,
+                                          absl::Time start,
+                                          const absl::Status& status) {
+  metrics->ObserveRequest(rpc, status.code(), SecondsSince(start));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
 }
 
 void SetTiming(const BatchTiming& timing, v1::SampleResponse* response) {
@@ -506,11 +511,8 @@ grpc::ServerUnaryReactor* SamplerService::GetModelInfo(
     const v1::GetModelInfoRequest* /*request*/, v1::ModelInfo* response) {
   const absl::Time start = absl::Now();
   *response = model_info_;
-  metrics_->ObserveRequest(kGetModelInfo, absl::StatusCode::kOk,
-                           SecondsSince(start));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return FinishInHandler(context, metrics_, kGetModelInfo, start,
+                         absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* SamplerService::RegisterSharedMemory(
@@ -520,14 +522,11 @@ grpc::ServerUnaryReactor* SamplerService::RegisterSharedMemory(
   const absl::Time start = absl::Now();
   const absl::Status status =
       shared_memory_ == nullptr
-          ? NoSharedMemory()
+          ? SharedMemoryOff("")
           : shared_memory_->Register(request->name(), request->key(),
                                      request->byte_size());
-  metrics_->ObserveRequest(kRegisterSharedMemory, status.code(),
-                           SecondsSince(start));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  return FinishInHandler(context, metrics_, kRegisterSharedMemory, start,
+                         status);
 }
 
 grpc::ServerUnaryReactor* SamplerService::UnregisterSharedMemory(
@@ -536,13 +535,10 @@ grpc::ServerUnaryReactor* SamplerService::UnregisterSharedMemory(
     v1::UnregisterSharedMemoryResponse* /*response*/) {
   const absl::Time start = absl::Now();
   const absl::Status status = shared_memory_ == nullptr
-                                  ? NoSharedMemory()
+                                  ? SharedMemoryOff("")
                                   : shared_memory_->Unregister(request->name());
-  metrics_->ObserveRequest(kUnregisterSharedMemory, status.code(),
-                           SecondsSince(start));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  return FinishInHandler(context, metrics_, kUnregisterSharedMemory, start,
+                         status);
 }
 
 void SamplerService::BeginDrain() {

@@ -92,6 +92,13 @@ constexpr size_t kCheckedChunkBytes = 64 << 10;
 
 }  // namespace
 
+absl::Status SharedMemoryOff(absl::string_view field) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      field, field.empty() ? "" : ": ",
+      "this daemon serves no shared memory (--max_shared_memory_regions is "
+      "0): send hidden_states.data instead"));
+}
+
 bool CopyUnlessSigbus(void* dst, const void* src, size_t bytes) {
   InstallSigbusHandler();
   sigjmp_buf jump;
@@ -162,15 +169,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name,
   }
   {
     absl::MutexLock lock(&mu_);
-    if (regions_.count(name) != 0) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "name: shared-memory region \"", name, "\" is already registered"));
-    }
-    if (static_cast<int>(regions_.size()) >= max_regions_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "shared-memory regions: ", max_regions_,
-          " registered, the most --max_shared_memory_regions allows"));
-    }
+    if (absl::Status s = RoomFor(name); !s.ok()) return s;
   }
 
   const int fd = shm_open(key.c_str(), O_RDONLY, 0);
@@ -210,6 +209,12 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name,
   absl::MutexLock lock(&mu_);
   // Checked again: another call may have taken the name or the last place
   // while this one mapped (the mapping is released with `region`).
+  if (absl::Status s = RoomFor(name); !s.ok()) return s;
+  regions_.emplace(name, std::move(region));
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegistry::RoomFor(const std::string& name) const {
   if (regions_.count(name) != 0) {
     return absl::AlreadyExistsError(absl::StrCat(
         "name: shared-memory region \"", name, "\" is already registered"));
@@ -219,7 +224,6 @@ absl::Status SharedMemoryRegistry::Register(const std::string& name,
         "shared-memory regions: ", max_regions_,
         " registered, the most --max_shared_memory_regions allows"));
   }
-  regions_.emplace(name, std::move(region));
   return absl::OkStatus();
 }
 

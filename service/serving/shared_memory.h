@@ -29,6 +29,11 @@ namespace flashsampler {
 // dies).
 bool CopyUnlessSigbus(void* dst, const void* src, size_t bytes);
 
+// FAILED_PRECONDITION for a daemon started without shared memory
+// (--max_shared_memory_regions 0), prefixed "<field>: " unless `field` is
+// empty (the Register/Unregister RPCs).
+absl::Status SharedMemoryOff(absl::string_view field);
+
 // Copies `rows` rows of `hidden` elements of `dtype` from a caller's mapping
 // to `dst` and checks that every copied element is finite (the check reads
 // `dst`, so bytes the caller rewrites meanwhile cannot slip past it).
@@ -81,6 +86,11 @@ class SharedMemoryRegistry {
 
  private:
   struct Region;
+
+  // OK when `name` is free and a region fits; ALREADY_EXISTS or
+  // RESOURCE_EXHAUSTED otherwise.
+  absl::Status RoomFor(const std::string& name) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int max_regions_;
   mutable absl::Mutex mu_;
