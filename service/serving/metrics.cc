@@ -158,11 +158,36 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 
 void Metrics::ObserveRequest(absl::string_view rpc, absl::StatusCode code,
                              double seconds) {
-  const prometheus::Labels labels = {{"rpc", std::string(rpc)},
-                                     {"code", absl::StatusCodeToString(code)}};
-  // Family::Add returns the existing child when the labels exist already.
-  request_duration_->Add(labels, LatencyBucketBounds()).Observe(seconds);
-  requests_->Add(labels).Increment();
+  static constexpr absl::string_view kRpcs[kKnownRpcs] = {
+      "Sample", "SampleStream", "GetModelInfo", "RegisterSharedMemory",
+      "UnregisterSharedMemory"};
+  int slot = -1;
+  const int code_value = static_cast<int>(code);
+  if (code_value >= 0 && code_value < kStatusCodes) {
+    for (int i = 0; i < kKnownRpcs; ++i) {
+      if (rpc == kRpcs[i]) slot = i * kStatusCodes + code_value;
+    }
+  }
+  prometheus::Histogram* duration =
+      slot >= 0 ? duration_children_[slot].load(std::memory_order_acquire)
+                : nullptr;
+  prometheus::Counter* count =
+      slot >= 0 ? count_children_[slot].load(std::memory_order_acquire)
+                : nullptr;
+  if (duration == nullptr || count == nullptr) {
+    const prometheus::Labels labels = {
+        {"rpc", std::string(rpc)}, {"code", absl::StatusCodeToString(code)}};
+    // Family::Add returns the existing child when the labels exist already,
+    // so threads that race here store the same pointers.
+    duration = &request_duration_->Add(labels, LatencyBucketBounds());
+    count = &requests_->Add(labels);
+    if (slot >= 0) {
+      duration_children_[slot].store(duration, std::memory_order_release);
+      count_children_[slot].store(count, std::memory_order_release);
+    }
+  }
+  duration->Observe(seconds);
+  count->Increment();
 }
 
 void Metrics::ObserveQueueWait(double seconds) {

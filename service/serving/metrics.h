@@ -5,6 +5,8 @@
 #ifndef FLASHSAMPLER_SERVICE_SERVING_METRICS_H_
 #define FLASHSAMPLER_SERVICE_SERVING_METRICS_H_
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -63,9 +65,22 @@ class Metrics {
   void BatchRowsSumAndCount(double* sum, uint64_t* count) const;
 
  private:
+  // The RPCs and status codes whose request children are kept below.
+  static constexpr int kKnownRpcs = 5;
+  static constexpr int kStatusCodes = 17;  // absl::StatusCode 0..16
+
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Histogram>* request_duration_;
   prometheus::Family<prometheus::Counter>* requests_;
+  // request_duration_'s and requests_' child of each (known rpc, code),
+  // null until its first request. Family::Add builds a whole Histogram
+  // (bucket bounds copied, counters allocated) before it finds the labels'
+  // existing child, and takes the family's lock: 1% of the daemon's CPU
+  // samples under 64 callers on the null engine.
+  std::array<std::atomic<prometheus::Histogram*>, kKnownRpcs * kStatusCodes>
+      duration_children_{};
+  std::array<std::atomic<prometheus::Counter*>, kKnownRpcs * kStatusCodes>
+      count_children_{};
   prometheus::Histogram* queue_wait_;
   prometheus::Histogram* batch_execute_;
   prometheus::Histogram* batch_rows_;
