@@ -1,14 +1,24 @@
 // fs_controls_bench: what the sampling controls cost on the GPU, against the
 // plain fused sampler and the unfused pipelines, in one run on the same data.
 // The controlled path is the CUDA backend's: the fused kernel writes fp32
-// logits (FusedSampleParams::logits_out) and the exact controlled sampler
-// (kernels/controls/) runs over them. The unfused baseline is cuBLAS's GEMM
-// with fp32 logits and the same exact sampler. Median of --iters calls after
-// --warmup calls, L2 flushed before each (bench_common.h). Writes
-// results_controls.csv into --out and prints one table.
+// logits (FusedSampleParams::logits_out), every row greedy since its token
+// is not used, and the exact controlled sampler (kernels/controls/) runs
+// over them. The unfused baseline is cuBLAS's GEMM with fp32 logits and the
+// same exact sampler. "units_*" is the candidate path from the fused
+// kernel's unit candidates instead of its logits (the CUDA engine's path for
+// rows without per-token controls or logprobs); its full-pass-rows column is
+// the share of rows it could not certify, which the engine samples again
+// from materialized logits. Median of --iters calls after --warmup calls, L2
+// flushed before each (bench_common.h). Writes results_controls.csv into
+// --out and prints one table.
 //
 //   fs_controls_bench --out DIR [--configs qwen,llama]
 //                     [--batches 1,16,64,128,256] [--iters 50] [--warmup 10]
+//                     [--stage1 greedy|sampled]
+//
+// --stage1 sampled scores every row's noise in the controlled path's
+// stage 1 too (its tokens are not used): what running the rows greedy
+// saves, measured on the whole path.
 //
 // Hidden states: "flat" rows are fs_bench's inputs (logits' std about 2.5,
 // softmax entropy near ln V); "peaked" rows scale them until the mean
@@ -41,6 +51,7 @@ struct Options {
   std::vector<int> batches = {1, 16, 64, 128, 256};
   int iters = 50;
   int warmup = 10;
+  bool stage1_sampled = false;  // --stage1 sampled
 };
 
 struct ModelConfig {
@@ -64,6 +75,9 @@ bool ParseOptions(int argc, char** argv, Options* options) {
       options->iters = std::atoi(value.c_str());
     } else if (flag == "--warmup") {
       options->warmup = std::atoi(value.c_str());
+    } else if (flag == "--stage1" &&
+               (value == "greedy" || value == "sampled")) {
+      options->stage1_sampled = value == "sampled";
     } else {
       std::fprintf(stderr, "fs_controls_bench: unknown flag %s\n",
                    flag.c_str());
@@ -172,11 +186,15 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   float* logits = nullptr;
   int32_t* tokens = nullptr;
   float* inv_temperature = nullptr;
+  float* greedy_inv_temperature = nullptr;  // all 0: every row greedy
   uint64_t* seeds = nullptr;
   uint64_t* steps = nullptr;
   void* fused_workspace = nullptr;
   void* controlled_workspace = nullptr;
   void* plan_bytes = nullptr;
+  float* unit_raws = nullptr;
+  uint8_t* unit_slots = nullptr;
+  UnitSummary* unit_summaries = nullptr;
   int32_t* out_tokens = nullptr;
   float* out_logprobs = nullptr;
   int32_t* out_top_ids = nullptr;
@@ -198,12 +216,20 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   BENCH_CHECK(cudaMalloc(&logits, sizeof(float) * max_batch * vocab));
   BENCH_CHECK(cudaMalloc(&tokens, sizeof(int32_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&inv_temperature, sizeof(float) * max_batch));
+  BENCH_CHECK(cudaMalloc(&greedy_inv_temperature, sizeof(float) * max_batch));
+  BENCH_CHECK(cudaMemset(greedy_inv_temperature, 0, sizeof(float) * max_batch));
   BENCH_CHECK(cudaMalloc(&seeds, sizeof(uint64_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&steps, sizeof(uint64_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&fused_workspace, fused_workspace_bytes));
   BENCH_CHECK(cudaMemset(fused_workspace, 0, fused_workspace_bytes));
   BENCH_CHECK(cudaMalloc(&controlled_workspace, controlled_workspace_bytes));
   BENCH_CHECK(cudaMalloc(&plan_bytes, kPlanBytes));
+  const size_t batch_units =
+      static_cast<size_t>(max_batch) * static_cast<size_t>(UnitsPerRow(vocab));
+  BENCH_CHECK(
+      cudaMalloc(&unit_raws, sizeof(float) * kUnitCandidates * batch_units));
+  BENCH_CHECK(cudaMalloc(&unit_slots, kUnitCandidates * batch_units));
+  BENCH_CHECK(cudaMalloc(&unit_summaries, sizeof(UnitSummary) * batch_units));
   BENCH_CHECK(cudaMalloc(&out_tokens, sizeof(int32_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&out_logprobs, sizeof(float) * max_batch));
   BENCH_CHECK(cudaMalloc(&out_top_ids, sizeof(int32_t) * max_batch * kMaxTopN));
@@ -230,8 +256,9 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   BENCH_CHECK(cudaMemcpy(steps, host_steps.data(), sizeof(uint64_t) * max_batch,
                          cudaMemcpyHostToDevice));
 
-  // hidden: which rows; logits_out: also write fp32 logits.
-  auto fused = [&](const void* h, int batch, float* logits_out) {
+  // The fused kernel over `batch` rows of `h` with 1 / T `inv_t` (0:
+  // greedy); the callers add its outputs beyond the tokens.
+  auto fused_params = [&](const void* h, int batch, const float* inv_t) {
     FusedSampleParams params;
     params.weights = weights;
     params.hidden = h;
@@ -240,19 +267,44 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     params.vocab_rows = vocab;
     params.hidden_size = hidden;
     params.batch = batch;
-    params.inv_temperature = inv_temperature;
+    params.inv_temperature = inv_t;
     params.seeds = seeds;
     params.steps = steps;
     params.token_ids = tokens;
+    return params;
+  };
+  // logits_out: also write fp32 logits.
+  auto fused = [&](const void* h, int batch, float* logits_out,
+                   const float* inv_t) {
+    FusedSampleParams params = fused_params(h, batch, inv_t);
     params.logits_out = logits_out;
     return LaunchFusedSample(params, fused_workspace, fused_workspace_bytes,
                              stream);
   };
+  // The unit candidates instead of logits, rows greedy, each row's tail
+  // mass summed at 1 / 0.8 (what the CUDA engine launches for a batch its
+  // units can serve).
+  auto fused_units = [&](const void* h, int batch) {
+    FusedSampleParams params = fused_params(h, batch, greedy_inv_temperature);
+    params.unit_candidates.raws = unit_raws;
+    params.unit_candidates.slots = unit_slots;
+    params.unit_candidates.summaries = unit_summaries;
+    params.unit_candidates.row_stride = max_batch;
+    params.unit_candidates.tail_inv_temperature = inv_temperature;
+    return LaunchFusedSample(params, fused_workspace, fused_workspace_bytes,
+                             stream);
+  };
+  ControlledUnits units;
+  units.raws = unit_raws;
+  units.slots = unit_slots;
+  units.summaries = unit_summaries;
+  units.row_stride = max_batch;
+  units.tail_inv_temperature = inv_temperature;
 
   // The peaked rows: the flat rows scaled so that the first rows' mean
   // softmax entropy (T = 1) is about 2.5 nats; logits scale with h.
   constexpr int kProbeRows = 8;
-  BENCH_CHECK(fused(flat, kProbeRows, logits));
+  BENCH_CHECK(fused(flat, kProbeRows, logits, inv_temperature));
   // The stream is non-blocking: cudaMemcpy would not wait for it.
   BENCH_CHECK(cudaStreamSynchronize(stream));
   std::vector<float> probe(static_cast<size_t>(kProbeRows) * vocab);
@@ -306,9 +358,17 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       results.push_back({name, stats});
       return true;
     };
-    if (!time("fused_plain", [&] { return fused(peaked, batch, nullptr); }) ||
+    // fused_logits_out is the controlled path's stage 1 (rows greedy);
+    // fused_logits_out_sampled scores every row's noise as well.
+    if (!time("fused_plain",
+              [&] { return fused(peaked, batch, nullptr, inv_temperature); }) ||
         !time("fused_logits_out",
-              [&] { return fused(peaked, batch, logits); }) ||
+              [&] {
+                return fused(peaked, batch, logits, greedy_inv_temperature);
+              }) ||
+        !time("fused_logits_out_sampled",
+              [&] { return fused(peaked, batch, logits, inv_temperature); }) ||
+        !time("fused_units_out", [&] { return fused_units(peaked, batch); }) ||
         !time("cublas_only", [&] {
           return CublasLogits(cublas, weights, peaked, DType::kBf16, vocab,
                               hidden, batch, logits, DType::kBf16, stream);
@@ -361,10 +421,26 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       };
       if (!time("fused_" + controls.name,
                 [&] {
-                  const cudaError_t error = fused(h, batch, logits);
+                  const cudaError_t error =
+                      fused(h, batch, logits,
+                            options.stage1_sampled ? inv_temperature
+                                                   : greedy_inv_temperature);
                   return error != cudaSuccess ? error : sample();
                 }) ||
           !record_fallback() ||
+          // The units' candidate path, where the controls allow it; its
+          // uncertified rows would take the path above as well.
+          (!controls.everything &&
+           (!time("units_" + controls.name,
+                  [&] {
+                    const cudaError_t error = fused_units(h, batch);
+                    return error != cudaSuccess
+                               ? error
+                               : LaunchControlledSampleFromUnits(
+                                     params, units, controlled_workspace,
+                                     controlled_workspace_bytes, stream);
+                  }) ||
+            !record_fallback())) ||
           !time("sampler_only_" + controls.name, sample) ||
           !time("cublas_" + controls.name,
                 [&] {
@@ -418,6 +494,12 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         static_cast<void*>(out_top_logprobs), static_cast<void*>(out_top_count),
         static_cast<void*>(out_status), static_cast<void*>(out_error_token),
         static_cast<void*>(out_certified)}) {
+    BENCH_CHECK(cudaFree(pointer));
+  }
+  for (void* pointer :
+       {static_cast<void*>(greedy_inv_temperature),
+        static_cast<void*>(unit_raws), static_cast<void*>(unit_slots),
+        static_cast<void*>(unit_summaries)}) {
     BENCH_CHECK(cudaFree(pointer));
   }
   return true;

@@ -979,6 +979,166 @@ __global__ void __launch_bounds__(kChunkThreads, 8)
   }
 }
 
+// The chunk kernel's summaries and candidates from the fused kernel's unit
+// candidates (kernels/sampler/unit_candidates.h) instead of the logits: one
+// warp per (chunk, row) reads the chunk's 64 units, 4 candidates each. More
+// than 64 candidates: the 65th highest key, found bit by bit (32 warp
+// counts), is the cut, and the candidates keyed above it are written. The
+// chunk's boundary is the highest of the cut and the units' bounds, so every
+// token left out, by its unit or here, is keyed at or below it; its tail
+// mass is the units' tails moved onto that boundary plus the candidates left
+// out. A row this path cannot serve -- a bitmask, per-token entries or
+// logprobs, whose chunks need every logit, or a unit tail computed at
+// another temperature -- gets chunks marked non-finite, which the merge
+// kernel never certifies.
+constexpr int kUnitsPerChunk = kChunkTokens / kUnitTokens;
+constexpr int kUnitChunkWarps = 4;
+constexpr int kUnitSlotsPerLane = kUnitsPerChunk * kUnitCandidates / 32;
+static_assert(kUnitsPerChunk == 64 && kUnitSlotsPerLane == 8,
+              "a lane holds two units of four slots");
+
+__global__ void __launch_bounds__(kUnitChunkWarps * 32)
+    UnitChunkKernel(const ControlledSampleParams p, ControlledUnits u,
+                    CandidateWorkspace w) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const int chunk = blockIdx.x * kUnitChunkWarps + (threadIdx.x >> 5);
+  const int r = blockIdx.y;
+  if (chunk >= w.chunks) return;  // the whole warp
+  const ControlledRow c = p.row_controls[r];
+  const int32_t vocab = static_cast<int32_t>(p.vocab);
+  const int64_t units = UnitsPerRow(p.vocab);
+  const bool greedy = c.temperature == 0.0f;
+  const float inv_t = RowInverseTemperature(c);
+  bool uncertifiable = c.bitmask_offset >= 0 ||
+                       c.special_begin != c.special_end || WantsLogprobs(c);
+
+  uint32_t keys[kUnitSlotsPerLane];
+  float raws[kUnitSlotsPerLane];
+  int32_t ids[kUnitSlotsPerLane];
+  uint32_t unit_bound[2];
+  float unit_tail[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t q =
+        static_cast<int64_t>(chunk) * kUnitsPerChunk + 32 * h + lane;
+    const bool exists = q < units;
+    const int64_t at = q * u.row_stride + r;  // the (unit, row) record
+    UnitSummary summary{0u, 0.0f};
+    if (exists) summary = u.summaries[at];
+    uncertifiable |= summary.bound == kUnitNonFinite;
+    unit_bound[h] = summary.bound == kUnitNonFinite ? 0u : summary.bound;
+    unit_tail[h] = summary.tail;
+#pragma unroll
+    for (int k = 0; k < kUnitCandidates; ++k) {
+      const int j = kUnitCandidates * h + k;
+      const int64_t slot_at = at * kUnitCandidates + k;
+      const uint8_t slot = exists ? u.slots[slot_at] : kUnitNoSlot;
+      const bool valid = slot != kUnitNoSlot;
+      raws[j] = valid ? controls::FoldZero(u.raws[slot_at]) : controls::kNegInf;
+      keys[j] = valid ? controls::OrderKey(raws[j]) : 0u;
+      ids[j] = valid ? static_cast<int32_t>(UnitSlotRow(q, slot)) : -1;
+    }
+  }
+  int valid_count = 0;
+#pragma unroll
+  for (int j = 0; j < kUnitSlotsPerLane; ++j) valid_count += keys[j] != 0u;
+  const int candidates = __reduce_add_sync(kAll, valid_count);
+  // The 65th highest key: the largest value with more than 64 keys at or
+  // above it (0 with at most 64 candidates: all are written).
+  uint32_t cut = 0u;
+  if (candidates > kChunkCandidates) {
+    for (int bit = 31; bit >= 0; --bit) {
+      const uint32_t trial = cut | (1u << bit);
+      int at_or_above = 0;
+#pragma unroll
+      for (int j = 0; j < kUnitSlotsPerLane; ++j)
+        at_or_above += keys[j] >= trial;
+      if (__reduce_add_sync(kAll, at_or_above) > kChunkCandidates) cut = trial;
+    }
+  }
+  uint32_t writes = 0u;
+#pragma unroll
+  for (int j = 0; j < kUnitSlotsPerLane; ++j)
+    writes |= (keys[j] != 0u && keys[j] > cut ? 1u : 0u) << j;
+  const uint32_t boundary =
+      max(__reduce_max_sync(kAll, max(unit_bound[0], unit_bound[1])), cut);
+  const bool truncated = boundary != 0u;
+
+  // Written slots in lane order.
+  const int mine = __popc(writes);
+  int inclusive = mine;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int up = __shfl_up_sync(kAll, inclusive, offset);
+    if (lane >= offset) inclusive += up;
+  }
+  const int written = __shfl_sync(kAll, inclusive, 31);
+  const int64_t slot = static_cast<int64_t>(r) * w.chunks + chunk;
+  int at = inclusive - mine;
+#pragma unroll
+  for (int j = 0; j < kUnitSlotsPerLane; ++j) {
+    if (writes & (1u << j)) {
+      w.ids[slot * kChunkCandidates + at] = ids[j];
+      w.raws[slot * kChunkCandidates + at] = raws[j];
+      ++at;
+    }
+  }
+
+  // The tail's mass (top_p rows that top_k does not bound, as the chunk
+  // kernel): the units' fp32 sums, each within 2e-6 of exact (at most 28
+  // terms), rescaled, plus the candidates left out; within 2e-5 of exact,
+  // inside the merge's headroom. A unit that did not sum its tail at this
+  // row's temperature (tail < 0: not asked) makes the row uncertifiable.
+  const bool want_tail = truncated && !greedy && c.top_p < 1.0f &&
+                         !(c.top_k > 0 && c.top_k < vocab);
+  float tail = 0.0f;
+  if (want_tail) {
+    if (u.tail_inv_temperature == nullptr ||
+        u.tail_inv_temperature[r] != inv_t) {
+      uncertifiable = true;
+    }
+    const float tail_top =
+        controls::ScaledLogit(controls::KeyValue(boundary), inv_t);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (unit_bound[h] == 0u) continue;
+      uncertifiable |= unit_tail[h] < 0.0f;
+      const float top =
+          controls::ScaledLogit(controls::KeyValue(unit_bound[h]), inv_t);
+      tail = FS_FADD(tail, FS_FMUL(unit_tail[h], expf(FS_FSUB(top, tail_top))));
+    }
+#pragma unroll
+    for (int j = 0; j < kUnitSlotsPerLane; ++j) {
+      if (keys[j] != 0u && !(writes & (1u << j))) {
+        const float x = controls::ScaledLogit(raws[j], inv_t);
+        tail = FS_FADD(tail, expf(FS_FSUB(x, tail_top)));
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+      tail = FS_FADD(tail, __shfl_xor_sync(kAll, tail, offset));
+  }
+  float raw_max = controls::kNegInf;
+#pragma unroll
+  for (int j = 0; j < kUnitSlotsPerLane; ++j) raw_max = fmaxf(raw_max, raws[j]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    raw_max = fmaxf(raw_max, __shfl_xor_sync(kAll, raw_max, offset));
+  uncertifiable = __any_sync(kAll, uncertifiable);
+  if (lane == 0) {
+    ChunkSummary s;
+    s.boundary = boundary;
+    s.written = written;
+    s.flags = (truncated ? kChunkTruncated : 0) |
+              (uncertifiable ? kChunkNonFinite : 0);
+    s.raw_max = raw_max;
+    s.raw_sum = 0.0;  // raw logprobs never take this path
+    s.tail_sum = tail;
+    w.summaries[slot] = s;
+  }
+}
+
 // Sum of 128-bit masses over the block, as hi and lo 32-bit halves.
 __device__ U128 BlockMassSum(unsigned long long hi, unsigned long long lo,
                              SharedState& sh) {
@@ -987,18 +1147,32 @@ __device__ U128 BlockMassSum(unsigned long long hi, unsigned long long lo,
   return (static_cast<U128>(hi) << 32) + static_cast<U128>(lo);
 }
 
-// An upper bound on the top-p mass (FixedMass units) of the members the
-// merge does not see: the truncated chunks' tails, from their float sums
-// (within 2e-4 of exact; 1e-3 of headroom and one unit per token), and the
-// written candidates at or below the bound, exactly, from the merge
-// kernel's shared copies of the row's slots (cand_raw) and of each chunk's
-// count of written slots. Every thread calls it.
-__device__ U128 UnseenMassBound(const CandidateWorkspace& w,
-                                const ChunkSummary* summaries,
-                                const float* cand_raw,
-                                const int32_t* chunk_written,
-                                uint32_t bound_key, float floor, float x_max,
-                                float inv_t, int32_t vocab, SharedState& sh) {
+// Bounds on the top-p mass (FixedMass units) of the members the merge does
+// not see: the truncated chunks' tails, from their float sums (within 2e-4
+// of exact: 1e-3 of headroom either way, and one unit per token for
+// FixedMass's truncation), and the written candidates at or below the bound,
+// exactly, from the merge kernel's shared copies of the row's slots
+// (cand_raw) and of each chunk's count of written slots. The tails count
+// toward the lower bound only without a min_p floor, where every unseen
+// token they sum is a member. Every thread calls it.
+struct UnseenMass {
+  U128 lower;
+  U128 upper;
+};
+
+__device__ U128 DoubleToU128(double v) {
+  if (!(v > 0.0)) return 0;
+  const double two64 = 18446744073709551616.0;
+  const double hi = ::floor(v / two64);
+  const double lo = v - hi * two64;
+  return (static_cast<U128>(static_cast<unsigned long long>(hi)) << 64) +
+         static_cast<U128>(static_cast<unsigned long long>(lo));
+}
+
+__device__ UnseenMass UnseenMassBounds(
+    const CandidateWorkspace& w, const ChunkSummary* summaries,
+    const float* cand_raw, const int32_t* chunk_written, uint32_t bound_key,
+    float floor, float x_max, float inv_t, int32_t vocab, SharedState& sh) {
   double tail = 0.0;
   for (int q = threadIdx.x; q < w.chunks; q += kThreads) {
     const ChunkSummary& s = summaries[q];
@@ -1007,10 +1181,9 @@ __device__ U128 UnseenMassBound(const CandidateWorkspace& w,
         controls::ScaledLogit(controls::KeyValue(s.boundary), inv_t);
     tail += s.tail_sum *
             ::exp(static_cast<double>(top) - static_cast<double>(x_max)) *
-            4611686018427387904.0 * (1.0 + 1e-3);
+            4611686018427387904.0;
   }
   tail = BlockReduce(tail, SumDouble{}, sh);
-  tail += static_cast<double>(vocab);
   unsigned long long hi = 0, lo = 0;
   const int slots = w.chunks * kChunkCandidates;
   for (int s = threadIdx.x; s < slots; s += kThreads) {
@@ -1024,12 +1197,16 @@ __device__ U128 UnseenMassBound(const CandidateWorkspace& w,
     lo += mass & 0xffffffffu;
   }
   const U128 written = BlockMassSum(hi, lo, sh);
-  const double two64 = 18446744073709551616.0;
-  const double tail_hi = ::floor(tail / two64);
-  const double tail_lo = tail - tail_hi * two64;
-  return (static_cast<U128>(static_cast<unsigned long long>(tail_hi)) << 64) +
-         static_cast<U128>(static_cast<unsigned long long>(tail_lo)) + 1 +
-         written;
+  UnseenMass bounds;
+  bounds.upper =
+      DoubleToU128(tail * (1.0 + 1e-3) + static_cast<double>(vocab)) + 1 +
+      written;
+  bounds.lower =
+      (floor == controls::kNegInf
+           ? DoubleToU128(tail * (1.0 - 1e-3) - static_cast<double>(vocab))
+           : 0) +
+      written;
+  return bounds;
 }
 
 // The processed logit x of `id` (the full pass's transform for one token):
@@ -1068,7 +1245,7 @@ struct MergeShared {
   // native 32-bit shared atomics: 64-bit ones are compare-and-swap loops,
   // which retried about four times a member and took a fifth of this
   // kernel's stall samples for top_p alone at [64, 151936]; with these
-  // (and UnseenMassBound reading shared memory) the kernel took 27-28
+  // (and UnseenMassBounds reading shared memory) the kernel took 27-28
   // against 36-37 us there (Nsight Compute, H100). The bin's mass is the
   // sum of quarter k << 16 k.
   uint32_t bin_mass_quarter[4][kDistanceBins];
@@ -1284,9 +1461,13 @@ __global__ void __launch_bounds__(kThreads)
     // bin where the mass reaches the largest top-p target the unseen tokens
     // allow.
     U128 unseen = 0;
+    U128 unseen_lower = 0;
     if (use_top_p && !use_top_k && !closed) {
-      unseen = UnseenMassBound(w, summaries, cand_raw, chunk_written, bound_key,
-                               floor, x_max, inv_t, vocab, sh);
+      const UnseenMass bounds =
+          UnseenMassBounds(w, summaries, cand_raw, chunk_written, bound_key,
+                           floor, x_max, inv_t, vocab, sh);
+      unseen = bounds.upper;
+      unseen_lower = bounds.lower;
     }
     if (tid < 32) {
       // Warp 0 scans the bins, lane l owning bins 8l .. 8l + 7: the first
@@ -1379,14 +1560,16 @@ __global__ void __launch_bounds__(kThreads)
       if (ok && use_top_p) {
         // The shortest prefix whose mass reaches ceil(p * total): the full
         // passes' cut (ties in id order). Total: within_k's mass when top_k
-        // bounds it, else every member's plus at most `unseen`.
+        // bounds it, else every member's plus between `unseen_lower` and
+        // `unseen`.
         U128 known = 0;
         if (use_top_k) {
           for (int i = 0; i < end; ++i) known += m.mass[i];
         } else {
           known = member_mass;
         }
-        const U128 target_lo = controls::CeilScaled(c.top_p, known);
+        const U128 target_lo =
+            controls::CeilScaled(c.top_p, known + unseen_lower);
         const U128 target_hi = controls::CeilScaled(c.top_p, known + unseen);
         U128 cum = 0;
         cut = -1;
@@ -1645,28 +1828,22 @@ WorkspaceLayout LayoutOf(int rows, int64_t vocab) {
   return l;
 }
 
-}  // namespace
-
-size_t ControlledSampleWorkspaceSize(int rows, int64_t vocab) {
-  if (rows <= 0 || vocab <= 0) return 0;
-  return LayoutOf(rows, vocab).total;
+// The arguments every launch checks: rows, vocab, controls and outputs.
+bool ValidOutputs(const ControlledSampleParams& params, void* workspace,
+                  size_t workspace_bytes) {
+  return params.vocab >= 1 && params.vocab <= 0x7fffffff &&
+         params.row_controls != nullptr && params.max_samples >= 1 &&
+         params.max_top_n >= 0 && params.token_ids != nullptr &&
+         params.status != nullptr && params.error_token != nullptr &&
+         workspace != nullptr &&
+         workspace_bytes >=
+             ControlledSampleWorkspaceSize(params.rows, params.vocab);
 }
 
-cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
-                                   void* workspace, size_t workspace_bytes,
-                                   cudaStream_t stream) {
-  if (params.rows < 0) return cudaErrorInvalidValue;
-  if (params.rows == 0) return cudaSuccess;
-  if (params.vocab < 1 || params.vocab > 0x7fffffff ||
-      params.logits_row_stride < params.vocab || params.logits == nullptr ||
-      params.row_controls == nullptr || params.max_samples < 1 ||
-      params.max_top_n < 0 || params.token_ids == nullptr ||
-      params.status == nullptr || params.error_token == nullptr ||
-      workspace == nullptr ||
-      workspace_bytes <
-          ControlledSampleWorkspaceSize(params.rows, params.vocab)) {
-    return cudaErrorInvalidValue;
-  }
+// The candidate path's arrays in `workspace`, past the full passes'
+// processed logits.
+CandidateWorkspace CandidateWorkspaceIn(const ControlledSampleParams& params,
+                                        void* workspace) {
   const WorkspaceLayout layout = LayoutOf(params.rows, params.vocab);
   const uintptr_t x_end = reinterpret_cast<uintptr_t>(workspace) +
                           sizeof(float) * static_cast<size_t>(params.rows) *
@@ -1679,11 +1856,15 @@ cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
   candidates.ids = reinterpret_cast<int32_t*>(base + layout.ids);
   candidates.raws = reinterpret_cast<float*>(base + layout.raws);
   candidates.done = reinterpret_cast<int32_t*>(base + layout.done);
-  // The candidate path needs the merge kernel's shared memory (106,540
-  // bytes at V = 151936): a device with less per block (101,376 on sm_86
-  // and sm_89 at V > 133120) samples every row by the full passes.
-  const size_t shared_bytes =
-      sizeof(MergeShared) + MergeCandidateBytes(candidates.chunks);
+  return candidates;
+}
+
+// Whether this device can run the merge kernel over `chunks` chunks a row,
+// and the dynamic shared memory it takes: 106,540 bytes at V = 151936; a
+// device with less per block (101,376 on sm_86 and sm_89 at V > 133120)
+// samples every row by the full passes.
+cudaError_t MergeFits(int chunks, bool* fits, size_t* shared_bytes) {
+  *shared_bytes = sizeof(MergeShared) + MergeCandidateBytes(chunks);
   int device = 0;
   int shared_optin = 0;
   cudaError_t error = cudaGetDevice(&device);
@@ -1691,20 +1872,70 @@ cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
   error = cudaDeviceGetAttribute(
       &shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (error != cudaSuccess) return error;
-  if (candidates.chunks * kChunkCandidates <= kMergeCandidateRoom &&
-      shared_bytes <= static_cast<size_t>(shared_optin)) {
+  *fits = chunks * kChunkCandidates <= kMergeCandidateRoom &&
+          *shared_bytes <= static_cast<size_t>(shared_optin);
+  return cudaSuccess;
+}
+
+// What a launch over rows >= 1 prepares: the candidate path's arrays in
+// the workspace, and whether (with how much shared memory) the merge kernel
+// runs on this device.
+struct CandidateLaunch {
+  CandidateWorkspace candidates;
+  bool fits = false;
+  size_t shared_bytes = 0;
+};
+
+// `inputs_valid`: the launcher's own checks of its inputs.
+cudaError_t PrepareLaunch(const ControlledSampleParams& params, void* workspace,
+                          size_t workspace_bytes, bool inputs_valid,
+                          CandidateLaunch* launch) {
+  if (!inputs_valid || !ValidOutputs(params, workspace, workspace_bytes)) {
+    return cudaErrorInvalidValue;
+  }
+  launch->candidates = CandidateWorkspaceIn(params, workspace);
+  return MergeFits(launch->candidates.chunks, &launch->fits,
+                   &launch->shared_bytes);
+}
+
+cudaError_t LaunchMerge(const ControlledSampleParams& params,
+                        const CandidateWorkspace& candidates,
+                        size_t shared_bytes, cudaStream_t stream) {
+  const cudaError_t error = cudaFuncSetAttribute(
+      CandidateMergeKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(shared_bytes));
+  if (error != cudaSuccess) return error;
+  return LaunchAfterPrevious(CandidateMergeKernel,
+                             static_cast<unsigned>(params.rows), shared_bytes,
+                             stream, params, candidates);
+}
+
+}  // namespace
+
+size_t ControlledSampleWorkspaceSize(int rows, int64_t vocab) {
+  if (rows <= 0 || vocab <= 0) return 0;
+  return LayoutOf(rows, vocab).total;
+}
+
+cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
+                                   void* workspace, size_t workspace_bytes,
+                                   cudaStream_t stream) {
+  if (params.rows < 0) return cudaErrorInvalidValue;
+  if (params.rows == 0) return cudaSuccess;
+  CandidateLaunch launch;
+  cudaError_t error = PrepareLaunch(
+      params, workspace, workspace_bytes,
+      params.logits_row_stride >= params.vocab && params.logits != nullptr,
+      &launch);
+  if (error != cudaSuccess) return error;
+  const CandidateWorkspace& candidates = launch.candidates;
+  if (launch.fits) {
     CandidateChunkKernel<<<dim3(static_cast<unsigned>(candidates.chunks),
                                 static_cast<unsigned>(params.rows)),
                            kChunkThreads, 0, stream>>>(params, candidates);
     error = cudaGetLastError();
     if (error != cudaSuccess) return error;
-    error = cudaFuncSetAttribute(CandidateMergeKernel,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(shared_bytes));
-    if (error != cudaSuccess) return error;
-    error = LaunchAfterPrevious(CandidateMergeKernel,
-                                static_cast<unsigned>(params.rows),
-                                shared_bytes, stream, params, candidates);
+    error = LaunchMerge(params, candidates, launch.shared_bytes, stream);
     if (error != cudaSuccess) return error;
     return LaunchAfterPrevious(ControlledSampleKernel,
                                static_cast<unsigned>(params.rows), 0, stream,
@@ -1722,6 +1953,38 @@ cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
   ControlledSampleKernel<<<params.rows, kThreads, 0, stream>>>(
       params, static_cast<float*>(workspace), candidates.done);
   return cudaGetLastError();
+}
+
+cudaError_t ControlledCandidatePathFits(int64_t vocab, bool* fits) {
+  *fits = false;
+  if (vocab < 1 || vocab > 0x7fffffff) return cudaSuccess;
+  size_t shared_bytes = 0;
+  return MergeFits(ChunksPerRow(vocab), fits, &shared_bytes);
+}
+
+cudaError_t LaunchControlledSampleFromUnits(
+    const ControlledSampleParams& params, const ControlledUnits& units,
+    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (params.rows < 0) return cudaErrorInvalidValue;
+  if (params.rows == 0) return cudaSuccess;
+  CandidateLaunch launch;
+  cudaError_t error =
+      PrepareLaunch(params, workspace, workspace_bytes,
+                    params.certified != nullptr && units.raws != nullptr &&
+                        units.slots != nullptr && units.summaries != nullptr &&
+                        units.row_stride >= params.rows,
+                    &launch);
+  if (error != cudaSuccess) return error;
+  if (!launch.fits) return cudaErrorNotSupported;
+  const CandidateWorkspace& candidates = launch.candidates;
+  const unsigned chunk_blocks = static_cast<unsigned>(
+      (candidates.chunks + kUnitChunkWarps - 1) / kUnitChunkWarps);
+  UnitChunkKernel<<<dim3(chunk_blocks, static_cast<unsigned>(params.rows)),
+                    kUnitChunkWarps * 32, 0, stream>>>(params, units,
+                                                       candidates);
+  error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
+  return LaunchMerge(params, candidates, launch.shared_bytes, stream);
 }
 
 cudaError_t LaunchControlledFixedMassProbe(const float* x, int64_t count,

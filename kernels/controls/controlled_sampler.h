@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kernels/controls/controlled_types.h"
+#include "kernels/sampler/unit_candidates.h"
 
 namespace flashsampler {
 
@@ -32,6 +33,41 @@ size_t ControlledSampleWorkspaceSize(int rows, int64_t vocab);
 cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
                                    void* workspace, size_t workspace_bytes,
                                    cudaStream_t stream);
+
+// Whether the candidate path (the chunk and merge kernels) runs on the
+// current device at this vocabulary size: V <= 262144, and the merge
+// kernel's shared memory (106,540 bytes at V = 151936) within the device's
+// per-block limit. Where it does not, LaunchControlledSample samples every
+// row by the full passes and LaunchControlledSampleFromUnits refuses.
+cudaError_t ControlledCandidatePathFits(int64_t vocab, bool* fits);
+
+// The fused kernel's unit candidates of the same rows
+// (FusedSampleParams::unit_candidates, one GPU: the shard is all of V).
+struct ControlledUnits {
+  const float* raws = nullptr;
+  const uint8_t* slots = nullptr;
+  const UnitSummary* summaries = nullptr;
+  int64_t row_stride = 0;  // >= rows
+  // The 1 / T the kernel summed each row's tail mass at (its
+  // UnitCandidates::tail_inv_temperature): a top_p row whose value differs
+  // from the row's own is not certified.
+  const float* tail_inv_temperature = nullptr;
+};
+
+// The candidate path without the logits: each 2048-token chunk's summary
+// from its 64 units, then the merge kernel; params.logits is not read. A
+// row the merge certifies gets its tokens, outputs, status kControlledOk and
+// certified = 1; every other row gets certified = 0 and nothing else, and
+// the caller samples it with LaunchControlledSample over its logits. A row
+// with a bitmask, per-token entries (bias, bans, penalized ids) or logprobs
+// is never certified here: its chunks need every logit. Returns
+// cudaErrorNotSupported where the candidate path cannot run (V > 262144, or
+// a device without the merge kernel's shared memory),
+// cudaErrorInvalidValue for bad arguments (as LaunchControlledSample;
+// certified and the units are required).
+cudaError_t LaunchControlledSampleFromUnits(
+    const ControlledSampleParams& params, const ControlledUnits& units,
+    void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Self-check of the top-p masses: out[i] = the device's FixedMass(x[i],
 // x_max) (kernels/controls/controlled_math.h), for comparing its exp with

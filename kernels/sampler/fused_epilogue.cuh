@@ -987,6 +987,129 @@ __device__ __forceinline__ void StoreStagedQuadLogits(const float* staging,
   }
 }
 
+// controls::OrderKey(FoldZero(v)) (kernels/controls/controlled_math.h):
+// the float's bits made monotone, -0 as +0.
+__device__ __forceinline__ uint32_t UnitOrderKey(float v) {
+  if (v == 0.0f) v = 0.0f;
+  const uint32_t bits = __float_as_uint(v);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The inverse of UnitOrderKey.
+__device__ __forceinline__ float UnitKeyValue(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// Writes a staged quad's unit candidates (FusedSampleParams::
+// unit_candidates): lanes 2c and 2c + 1 hold column c's rows row0 + {0..15}
+// and row0 + 64 + {0..15}, one unit (slots 0-15 and 16-31). A logit ranks by
+// its order key with the low 5 bits replaced by its slot, so that the keys
+// are distinct and carry their slots: each lane keeps the top 5 of its 16
+// (a non-finite logit, or a row past the shard's end, keys 0), the pair
+// merges the two lists, and lane 2c writes the unit: the logits of the top
+// 4 whose key, slot bits aside, is above the 5th's, and that 5th's key with
+// its low 5 bits set as the bound (every logit left out is at or below it).
+// A record per (unit, row), rows contiguous: the 16 columns of a warp's
+// quad are 16 consecutive rows, so each store instruction writes whole
+// sectors. All 32 lanes call it.
+__device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
+                                                     int64_t row0, int col0,
+                                                     int batch_base,
+                                                     const FusedArgs& args) {
+  constexpr unsigned kAll = 0xffffffffu;
+  constexpr uint32_t kSlotBits = 0x1fu;
+  const int lane = threadIdx.x & 31;
+  const int column = StagedLaneColumn();
+  const int half = lane & 1;
+  const int b = batch_base + col0 + column;
+  const float* column_values = staging + column * kQuadStagingStride;
+  // Rows at or past the shard's end are TMA's zero padding.
+  const int64_t rows_left = args.vocab_rows - (row0 + 64 * half);
+  const int valid =
+      rows_left <= 0 ? 0 : (rows_left < 16 ? static_cast<int>(rows_left) : 16);
+  uint32_t top[5] = {0u, 0u, 0u, 0u, 0u};
+  float sum = 0.0f;  // NaN or infinite when a logit is
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 run =
+        *reinterpret_cast<const float4*>(column_values + 16 * half + 4 * q);
+    const float run_values[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = 4 * q + k;
+      const float v = run_values[k];
+      const bool in_shard = i < valid;
+      sum = __fadd_rn(sum, in_shard ? v : 0.0f);
+      const uint32_t slot = static_cast<uint32_t>(16 * half + i);
+      uint32_t key =
+          in_shard && isfinite(v) ? (UnitOrderKey(v) & ~kSlotBits) | slot : 0u;
+#pragma unroll
+      for (int j = 0; j < 5; ++j) {
+        const uint32_t high = max(top[j], key);
+        key = min(top[j], key);
+        top[j] = high;
+      }
+    }
+  }
+  // The unit's top 5: merge the partner's descending list into this one.
+  uint32_t other[5];
+#pragma unroll
+  for (int j = 0; j < 5; ++j) other[j] = __shfl_xor_sync(kAll, top[j], 1);
+#pragma unroll
+  for (int j = 0; j < 5; ++j) {
+    uint32_t key = other[j];
+#pragma unroll
+    for (int t = 0; t < 5; ++t) {
+      const uint32_t high = max(top[t], key);
+      key = min(top[t], key);
+      top[t] = high;
+    }
+  }
+  const bool non_finite =
+      !isfinite(__fadd_rn(sum, __shfl_xor_sync(kAll, sum, 1)));
+  // 0 when the unit has at most 4 finite logits: all are written.
+  const uint32_t bound = top[4] == 0u ? 0u : (top[4] | kSlotBits);
+  const uint32_t cut = top[4] & ~kSlotBits;
+  // The left-out logits' mass below the bound for rows that ask (each lane
+  // its own logits), -1 for the others.
+  const float inv_t =
+      b < args.batch && args.unit_candidates.tail_inv_temperature != nullptr
+          ? args.unit_candidates.tail_inv_temperature[b]
+          : 0.0f;
+  float tail = inv_t > 0.0f ? 0.0f : -1.0f;
+  if (inv_t > 0.0f && bound != 0u) {
+    const float top_scaled = __fmul_rn(UnitKeyValue(bound), inv_t);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float v = column_values[16 * half + i];
+      if (i < valid && isfinite(v) && (UnitOrderKey(v) & ~kSlotBits) <= cut) {
+        tail =
+            __fadd_rn(tail, expf(__fsub_rn(__fmul_rn(v, inv_t), top_scaled)));
+      }
+    }
+  }
+  tail = __fadd_rn(tail, __shfl_xor_sync(kAll, tail, 1));
+  if (b >= args.batch || half != 0) return;
+  const int64_t unit = row0 / 128 * kUnitsPerTile + row0 % 128 / 16;
+  const int64_t at = unit * args.unit_candidates.row_stride + b;
+  float raws[kUnitCandidates];
+  uint32_t slots = 0u;
+#pragma unroll
+  for (int j = 0; j < kUnitCandidates; ++j) {
+    const bool written = top[j] != 0u && (top[j] & ~kSlotBits) > cut;
+    const uint32_t slot = top[j] & kSlotBits;
+    raws[j] = written ? column_values[slot] : 0.0f;
+    slots |= (written ? slot : static_cast<uint32_t>(kUnitNoSlot)) << (8 * j);
+  }
+  reinterpret_cast<float4*>(args.unit_candidates.raws)[at] =
+      make_float4(raws[0], raws[1], raws[2], raws[3]);
+  reinterpret_cast<uint32_t*>(args.unit_candidates.slots)[at] = slots;
+  UnitSummary summary;
+  summary.bound = non_finite ? kUnitNonFinite : bound;
+  summary.tail = tail;
+  args.unit_candidates.summaries[at] = summary;
+}
+
 template <typename Shared>
 __device__ __forceinline__ void ScoreStagedQuad(
     const float* staging, int64_t row0, int col0, int sample, bool store_logits,
@@ -996,6 +1119,9 @@ __device__ __forceinline__ void ScoreStagedQuad(
   const int half = lane & 1;
   if (store_logits && args.logits_out != nullptr) {
     StoreStagedQuadLogits(staging, row0, col0, batch_base, args);
+  }
+  if (store_logits && args.unit_candidates.raws != nullptr) {
+    StoreStagedQuadUnits(staging, row0, col0, batch_base, args);
   }
   const StagedLogits lane_logits{staging + column * kQuadStagingStride +
                                  16 * half};

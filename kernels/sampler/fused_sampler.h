@@ -13,6 +13,7 @@
 
 #include "common/dtype.h"
 #include "kernels/noise/philox.h"
+#include "kernels/sampler/unit_candidates.h"
 
 namespace flashsampler {
 
@@ -113,8 +114,15 @@ struct FusedSampleParams {
   // used by one launch at a time (each leaves it zeroed). Has no effect
   // for num_samples > 64.
   bool floor_in_workspace = false;
-  // Optional [batch, vocab_rows] fp32 logits (tests of the IO model only).
+  // Optional [batch, vocab_rows] fp32 logits: the controlled sampler's
+  // input where it needs every logit, and the tests of the IO model.
   float* logits_out = nullptr;
+  // Optional, wgmma path only (cudaErrorNotSupported on the other): each
+  // row's highest logits of every 32-token unit with a bound on the rest
+  // (unit_candidates.h), the controlled sampler's candidate path without
+  // the logits: 0.875 bytes a token written instead of logits_out's 4.
+  // Off while unit_candidates.raws is null.
+  UnitCandidates unit_candidates;
   // Schedule knobs of the benchmark and the tests; production: defaults.
   FusedTuning tuning;
 };

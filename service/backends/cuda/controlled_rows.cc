@@ -32,6 +32,10 @@ bool NeedsControlledSampler(const SamplingParams& p) {
          p.min_p > 0.0f || p.logprobs.any();
 }
 
+bool ServedFromUnitCandidates(const SamplingParams& p) {
+  return !p.has_token_transforms() && !p.logprobs.any();
+}
+
 absl::Status ValidateCudaRow(const SamplingParams& p, int64_t vocab) {
   // The ranges (and messages) every engine shares, top_k = -1 included.
   if (absl::Status s =

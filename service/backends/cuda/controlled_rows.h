@@ -46,11 +46,21 @@ constexpr size_t kControlledPlanLayoutSlack = 6 * 256;
 // could not certify the sample, so the full passes over the row's logits
 // took it (flashsampler_exact_fallback_rows_total{reason="full_row_pass"}).
 inline constexpr char kFullRowPassFallback[] = "full_row_pass";
+// ... and of rows that unit candidates could not certify, sampled from
+// their materialized logits by the candidate path
+// (flashsampler_exact_fallback_rows_total{reason="materialized_logits"}).
+inline constexpr char kMaterializedLogitsFallback[] = "materialized_logits";
 
 // True when the row uses a control beyond temperature and n: the fused
 // kernel alone cannot serve it, the controlled sampler over materialized
 // logits can (docs/design.md#exactness-and-refusals).
 bool NeedsControlledSampler(const SamplingParams& p);
+
+// True when the row's controls are temperature, top_k, top_p, min_p and n
+// alone: the controlled sampler's candidate path can take it from the fused
+// kernel's unit candidates, without its logits (no bitmask, ban, bias or
+// penalty changes a logit, and no logprobs need every one).
+bool ServedFromUnitCandidates(const SamplingParams& p);
 
 // The CPU sampler's row checks (ValidateSamplingParams with
 // SamplingRules::Engine(), the same messages), plus the engine's own limits

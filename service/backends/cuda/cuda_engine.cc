@@ -11,11 +11,17 @@
 // its fp32 logits (FusedSampleParams::logits_out) into the slot's [B, V]
 // buffer on rank 0 (tensor parallel: each rank into its own [B, shard]
 // buffer, copied into rank 0's at the shard's column offset), the
-// controlled sampler (kernels/controls/) samples every row of the batch
-// over them, then one D2H of tokens, logprobs, top lists and statuses. It
-// costs 4 * V bytes written per row plus the controlled kernel's passes
-// over them (at V = 151936: 0.6 MB written, a few MB read per row) where
-// the fused path writes none.
+// controlled sampler (kernels/controls/) samples the controlled rows over
+// them, then one D2H of tokens, logprobs, top lists and statuses; the
+// batch's other rows keep stage 1's tokens. It costs 4 * V bytes written
+// per row plus the controlled kernel's passes over them (at V = 151936:
+// 0.6 MB written, a few MB read per row) where the fused path writes none.
+// On one GPU with the wgmma kernel, a batch of 16 to 128 rows whose
+// controlled rows use temperature, top_k, top_p, min_p and n alone writes
+// only each 32-token unit's highest logits instead
+// (FusedSampleParams::unit_candidates), and the controlled sampler's
+// candidate path samples from them; a batch with a row it cannot certify
+// then takes the materialized path above.
 #include "service/backends/cuda/cuda_engine.h"
 
 #include <cuda_runtime.h>
@@ -62,6 +68,29 @@ constexpr int64_t kShardGranularity = 128;
 // (FusedSampleParams::hidden_capacity_rows). Their contents are never
 // used.
 constexpr int kHiddenPadRows = 128;
+
+// Batch sizes served from unit candidates: from 16 rows the units' path is
+// 11-51 us faster than the logits' on an H100 (qwen, 16 to 128 rows:
+// 454 against 465 us, 519 against 559 us with top_k + top_p + min_p); a
+// single row is 5 us slower (451 against 446), 256 rows 98 us slower,
+// where the selection in the kernel's epilogue no longer hides behind its
+// loads (docs/performance.md#sampling-controls).
+constexpr int kUnitCandidatesMinRows = 16;
+constexpr int kUnitCandidatesMaxRows = 128;
+// After a batch the units could not certify (it paid stage 1 twice), the
+// next this many controlled batches materialize their logits at once: a
+// workload of rows the units cannot certify (flat rows at top_p 0.99) pays
+// the second pass at most once in 17 batches.
+constexpr int kUnitCandidatesPauseBatches = 16;
+
+// The controls of a row riding in a controlled launch whose outputs are not
+// used (a refused row, or one that keeps stage 1's tokens): greedy, which
+// the candidates certify at once.
+SamplingParams RideAlongParams() {
+  SamplingParams params;
+  params.temperature = 0.0f;
+  return params;
+}
 
 size_t AlignUp(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
@@ -154,7 +183,13 @@ struct Slot {
   std::vector<char> plain_graph_refused;
 
   // The materialized path, all on rank 0 (sizes in CudaEngine::Init).
-  float* logits = nullptr;               // [max_batch_rows, V] fp32
+  float* logits = nullptr;  // [max_batch_rows, V] fp32
+  // One GPU: the fused kernel's unit candidates (unit_candidates.h), each
+  // [UnitsPerRow(V), max_batch_rows] (x kUnitCandidates); null where the
+  // engine does not take that path.
+  float* unit_raws = nullptr;
+  uint8_t* unit_slots = nullptr;
+  UnitSummary* unit_summaries = nullptr;
   void* controlled_workspace = nullptr;  // the controlled sampler's x = l / T
   void* host_plan = nullptr;             // pinned, kControlledPlanBudgetBytes
   void* device_plan = nullptr;           // kControlledPlanBudgetBytes
@@ -208,21 +243,29 @@ class CudaEngine final : public Engine {
   size_t steps_offset() const {
     return seeds_offset() + sizeof(uint64_t) * options_.max_batch_rows;
   }
+  // 1 / T of each row of a batch served from unit candidates, for the tail
+  // masses the fused kernel sums (0: greedy or none wanted).
+  size_t tail_inv_temperature_offset() const {
+    return steps_offset() + sizeof(uint64_t) * options_.max_batch_rows;
+  }
 
   absl::Status Check(cudaError_t error, const char* what);
   // cudaMalloc of `bytes` on rank `rank`'s device (the current device),
   // counted in device_bytes_[rank] when it succeeds.
   absl::Status DeviceMalloc(size_t rank, void** ptr, size_t bytes,
                             const char* what);
-  // Stage 1 over rows [first_row, first_row + rows); `logits` also makes it
-  // write the fp32 logits (the materialized path).
+  // What stage 1 writes besides its tokens.
+  enum class Stage1Output { kTokens, kLogits, kUnits };
+  // Stage 1 over rows [first_row, first_row + rows); kLogits also makes it
+  // write the fp32 logits (the materialized path), kUnits the unit
+  // candidates (one GPU).
   absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples,
-                        bool logits);
+                        Stage1Output output);
   // Queues the copy of the staging buffer's first `rows` rows (and every
   // row's parameters) to every rank, then stage 1 over them in row chunks
   // of at most capacity_pairs_ / num_samples rows.
   absl::Status EnqueueStage1(Slot& slot, int rows, int num_samples,
-                             bool logits);
+                             Stage1Output output);
   // Queues stage 1 and the token copy of a plain batch of `rows` rows with
   // `num_samples` samples each (the copy on rank 0's stream).
   absl::Status EnqueuePlainBatch(Slot& slot, int rows, int num_samples);
@@ -235,11 +278,15 @@ class CudaEngine final : public Engine {
   // The materialized path after stage 1: gathers the logits on rank 0 (tensor
   // parallel), packs and runs the controlled sampler over the batch's rows
   // (row chunks within kControlledPlanBudgetBytes) and queues the D2H of its
-  // outputs on rank 0's stream. `valid[i]` is false for rows refused before
-  // (they ride along as plain rows; their outputs are ignored).
+  // outputs on rank 0's stream. Rows with `valid[i]` false ride along as
+  // greedy rows whose outputs are ignored.
+  // `from_units`: the candidate path over the slot's unit candidates
+  // instead (LaunchControlledSampleFromUnits); rows it cannot
+  // certify come back with certified = 0 and nothing else.
   absl::Status RunControlled(Slot& slot, const BatchView& batch,
                              const std::vector<char>& valid, int max_samples,
-                             int max_top_n, ControlledOutputLayout* layout);
+                             int max_top_n, bool from_units,
+                             ControlledOutputLayout* layout);
   // Reads the controlled sampler's outputs (in the slot's pinned buffer) into
   // `results` for the valid rows.
   absl::Status CollectControlled(Slot& slot, const BatchView& batch,
@@ -247,6 +294,23 @@ class CudaEngine final : public Engine {
                                  const ControlledOutputLayout& layout,
                                  int max_samples, int max_top_n,
                                  std::vector<RowResult>* results);
+  // A batch with controlled rows (by_controls[i]): stage 1 (unit
+  // candidates where every controlled row allows them and the batch is
+  // between kUnitCandidatesMinRows and kUnitCandidatesMaxRows rows, else
+  // logits), the controlled sampler, and the materialized path again where
+  // the units left a row uncertified; the other valid rows keep stage 1's
+  // stage1_samples tokens.
+  absl::Status SampleControlled(Slot& slot, const BatchView& batch,
+                                const std::vector<char>& by_controls,
+                                bool units_serve, int stage1_samples,
+                                int num_samples, int max_top_n,
+                                std::vector<RowResult>* results);
+  // Waits for the slot's batch on every rank and checks the tensor-parallel
+  // barrier.
+  absl::Status WaitForBatch(Slot& slot);
+  // Row `row`'s n tokens from stage 1's pinned copy (`stride` per row).
+  absl::Status TakeStage1Tokens(const Slot& slot, int row, int n, int stride,
+                                RowResult* result);
   // Tensor parallel: one TpExchange per slot on the configured transport.
   absl::Status CreateExchanges();
   absl::Status CreateExchangesOn(TpTransport transport);
@@ -272,6 +336,10 @@ class CudaEngine final : public Engine {
   // up to 256 bytes).
   size_t controlled_workspace_bytes_ = 0;
   size_t controlled_output_bytes_ = 0;  // ControlledOutputLayout at capacity
+  // The slots hold unit candidates and eligible batches take that path
+  // (CudaEngineOptions::unit_candidates; one GPU with the wgmma kernel, and
+  // the candidate path runs at this V).
+  bool units_path_ = false;
   std::atomic<bool> broken_{false};
   // Set once any slot has recorded its sampler_done: until then no batch
   // has a controlled sampler to wait for, and plain batches make no
@@ -281,8 +349,11 @@ class CudaEngine final : public Engine {
   std::unique_ptr<TpComms> tp_comms_;
   // Why kAuto fell back to CUDA peer access (empty otherwise).
   std::string tp_fallback_reason_;
-  // The controls of a refused row riding along in a controlled launch.
-  const SamplingParams plain_params_;
+  // The controls of a row riding along in a controlled launch.
+  const SamplingParams ride_along_params_ = RideAlongParams();
+  // Controlled batches left that take the materialized path directly
+  // (kUnitCandidatesPauseBatches).
+  std::atomic<int> unit_pause_batches_{0};
 };
 
 absl::Status CudaEngine::Check(cudaError_t error, const char* what) {
@@ -462,10 +533,12 @@ absl::Status CudaEngine::Init() {
               "cudaMemcpy(weights)"));
   }
 
-  // Slots: pinned staging [inv_temperature | seeds | steps | hidden], device
-  // copies on every rank, and rank 0's candidate and token buffers.
-  params_bytes_ =
-      AlignUp(steps_offset() + sizeof(uint64_t) * options_.max_batch_rows, 256);
+  // Slots: pinned staging [inv_temperature | seeds | steps |
+  // tail_inv_temperature | hidden], device copies on every rank, and rank
+  // 0's candidate and token buffers.
+  params_bytes_ = AlignUp(
+      tail_inv_temperature_offset() + sizeof(float) * options_.max_batch_rows,
+      256);
   input_bytes_ = params_bytes_ +
                  static_cast<size_t>(options_.max_batch_rows + kHiddenPadRows) *
                      hidden * element_bytes_;
@@ -488,6 +561,17 @@ absl::Status CudaEngine::Init() {
       MakeControlledOutputLayout(options_.max_batch_rows, kCudaMaxSamples,
                                  kCudaMaxTopLogprobs)
           .total;
+  // Unit candidates: 28 bytes per unit of 32 tokens (34 MB per slot at
+  // V = 151936 and 256 rows).
+  bool candidate_path = false;
+  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+  FS_RETURN_IF_ERROR(Check(ControlledCandidatePathFits(vocab, &candidate_path),
+                           "ControlledCandidatePathFits"));
+  units_path_ =
+      options_.unit_candidates && num_ranks == 1 && candidate_path &&
+      FusedSampleResolveKernel(FusedKernel::kAuto) == FusedKernel::kWgmma;
+  const size_t batch_units = static_cast<size_t>(options_.max_batch_rows) *
+                             static_cast<size_t>(UnitsPerRow(vocab));
   slots_.resize(options_.slots);
   for (Slot& slot : slots_) {
     FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
@@ -540,6 +624,18 @@ absl::Status CudaEngine::Init() {
     FS_RETURN_IF_ERROR(DeviceMalloc(0, &slot.controlled_workspace,
                                     controlled_workspace_bytes_,
                                     "cudaMalloc(controlled workspace)"));
+    if (units_path_) {
+      FS_RETURN_IF_ERROR(
+          DeviceMalloc(0, reinterpret_cast<void**>(&slot.unit_raws),
+                       sizeof(float) * kUnitCandidates * batch_units,
+                       "cudaMalloc(unit candidates)"));
+      FS_RETURN_IF_ERROR(DeviceMalloc(
+          0, reinterpret_cast<void**>(&slot.unit_slots),
+          kUnitCandidates * batch_units, "cudaMalloc(unit slots)"));
+      FS_RETURN_IF_ERROR(DeviceMalloc(
+          0, reinterpret_cast<void**>(&slot.unit_summaries),
+          sizeof(UnitSummary) * batch_units, "cudaMalloc(unit summaries)"));
+    }
     FS_RETURN_IF_ERROR(
         Check(cudaMallocHost(&slot.host_plan, kControlledPlanBudgetBytes),
               "cudaMallocHost(controls)"));
@@ -654,7 +750,7 @@ absl::Status CudaEngine::CreateExchanges() {
 }
 
 absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
-                                  int num_samples, bool logits) {
+                                  int num_samples, Stage1Output output) {
   const size_t num_ranks = ranks_.size();
   std::vector<FusedSampleParams> all_params(num_ranks);
   std::vector<void*> workspaces(num_ranks);
@@ -682,7 +778,20 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
         reinterpret_cast<const uint64_t*>(input + seeds_offset()) + first_row;
     params.steps =
         reinterpret_cast<const uint64_t*>(input + steps_offset()) + first_row;
-    if (logits) {
+    if (output == Stage1Output::kUnits) {
+      // Unit-major records, [units][max_batch_rows], at the chunk's first
+      // row.
+      const size_t at = static_cast<size_t>(first_row);
+      params.unit_candidates.raws = slot.unit_raws + kUnitCandidates * at;
+      params.unit_candidates.slots = slot.unit_slots + kUnitCandidates * at;
+      params.unit_candidates.summaries = slot.unit_summaries + at;
+      params.unit_candidates.row_stride = options_.max_batch_rows;
+      params.unit_candidates.tail_inv_temperature =
+          reinterpret_cast<const float*>(input +
+                                         tail_inv_temperature_offset()) +
+          first_row;
+    }
+    if (output == Stage1Output::kLogits) {
       // [rows, vocab_rows] at the chunk's first row: one GPU writes straight
       // into the [B, V] buffer (its shard is all of V); tensor parallel
       // ranks write their own buffer, gathered by RunControlled.
@@ -717,7 +826,7 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
 }
 
 absl::Status CudaEngine::EnqueueStage1(Slot& slot, int rows, int num_samples,
-                                       bool logits) {
+                                       Stage1Output output) {
   const size_t copy_bytes = params_bytes_ + static_cast<size_t>(rows) *
                                                 info_.hidden_size *
                                                 element_bytes_;
@@ -733,14 +842,15 @@ absl::Status CudaEngine::EnqueueStage1(Slot& slot, int rows, int num_samples,
   for (int first = 0; first < rows; first += rows_per_chunk) {
     FS_RETURN_IF_ERROR(RunChunk(slot, first,
                                 std::min(rows_per_chunk, rows - first),
-                                num_samples, logits));
+                                num_samples, output));
   }
   return absl::OkStatus();
 }
 
 absl::Status CudaEngine::EnqueuePlainBatch(Slot& slot, int rows,
                                            int num_samples) {
-  FS_RETURN_IF_ERROR(EnqueueStage1(slot, rows, num_samples, /*logits=*/false));
+  FS_RETURN_IF_ERROR(
+      EnqueueStage1(slot, rows, num_samples, Stage1Output::kTokens));
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
   return Check(cudaMemcpyAsync(slot.host_tokens, slot.device_tokens,
                                sizeof(int32_t) * rows * num_samples,
@@ -795,11 +905,12 @@ absl::Status CudaEngine::LaunchPlainGraph(Slot& slot, int rows) {
 absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
                                        const std::vector<char>& valid,
                                        int max_samples, int max_top_n,
+                                       bool from_units,
                                        ControlledOutputLayout* layout) {
   const int64_t vocab = info_.vocab_size;
   const size_t num_ranks = ranks_.size();
   SlotRank& root = slot.ranks[0];
-  if (num_ranks > 1) {
+  if (num_ranks > 1 && !from_units) {
     // Each rank's [rows, shard] logits land at its shard's columns of rank
     // 0's [B, V] buffer: one 2-D copy per rank on its own stream, so after
     // its stage 1 (cudaMemcpyDefault under unified addressing: a peer copy
@@ -839,7 +950,7 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
   for (int i = 0; i < batch.rows; ++i) {
     slot.row_bounds.push_back(
         valid[i] ? ControlledRowBytesBound(*batch.specs[i].params)
-                 : ControlledRowBytesBound(plain_params_));
+                 : ControlledRowBytesBound(ride_along_params_));
   }
   const std::vector<std::pair<int, int>> chunks =
       SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
@@ -856,7 +967,7 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       RowSpec spec = batch.specs[i];
       // A refused row keeps its place (one CTA per logits row) as a plain
       // row; its outputs are ignored.
-      if (!valid[i]) spec.params = &plain_params_;
+      if (!valid[i]) spec.params = &ride_along_params_;
       slot.plan.AddRow(ControlledInputFrom(spec, &slot.lists));
     }
     const size_t bytes = slot.plan.byte_size();
@@ -901,11 +1012,30 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
     // message reads one).
     const size_t offset =
         sizeof(float) * static_cast<size_t>(first) * static_cast<size_t>(vocab);
-    FS_RETURN_IF_ERROR(Check(
-        LaunchControlledSample(
-            params, static_cast<char*>(slot.controlled_workspace) + offset,
-            controlled_workspace_bytes_ - offset, root.stream),
-        "LaunchControlledSample"));
+    void* workspace = static_cast<char*>(slot.controlled_workspace) + offset;
+    const size_t workspace_bytes = controlled_workspace_bytes_ - offset;
+    if (from_units) {
+      const size_t at = static_cast<size_t>(first);
+      ControlledUnits units;
+      units.raws = slot.unit_raws + kUnitCandidates * at;
+      units.slots = slot.unit_slots + kUnitCandidates * at;
+      units.summaries = slot.unit_summaries + at;
+      units.row_stride = options_.max_batch_rows;
+      units.tail_inv_temperature =
+          reinterpret_cast<const float*>(
+              static_cast<const char*>(root.device_input) +
+              tail_inv_temperature_offset()) +
+          first;
+      FS_RETURN_IF_ERROR(
+          Check(LaunchControlledSampleFromUnits(params, units, workspace,
+                                                workspace_bytes, root.stream),
+                "LaunchControlledSampleFromUnits"));
+    } else {
+      FS_RETURN_IF_ERROR(
+          Check(LaunchControlledSample(params, workspace, workspace_bytes,
+                                       root.stream),
+                "LaunchControlledSample"));
+    }
   }
   FS_RETURN_IF_ERROR(Check(cudaEventRecord(slot.sampler_done, root.stream),
                            "cudaEventRecord"));
@@ -1017,16 +1147,22 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
   float* inv_temperature = reinterpret_cast<float*>(host);
   uint64_t* seeds = reinterpret_cast<uint64_t*>(host + seeds_offset());
   uint64_t* steps = reinterpret_cast<uint64_t*>(host + steps_offset());
+  float* tail_inv_temperature =
+      reinterpret_cast<float*>(host + tail_inv_temperature_offset());
   results->assign(batch.rows, RowResult());
   std::vector<char> valid(batch.rows, 1);
+  // Valid rows with a control beyond temperature and n: the controlled
+  // sampler samples them. A batch with any takes the controlled path; its
+  // other valid rows keep stage 1's tokens (the fused kernel's exact
+  // samples, which the controlled sampler would give them too) and ride in
+  // the controlled launch as greedy rows, which its candidates certify at
+  // once.
+  std::vector<char> by_controls(batch.rows, 0);
   int valid_rows = 0;
-  // Any row with a control beyond temperature and n sends the whole batch
-  // down the materialized path; its other rows get the tokens the fused
-  // path would give them: the controlled sampler draws the same Philox
-  // noise over the same fp32 logits the fused kernel scores, and both equal
-  // the CPU sampler (docs/design.md#exactness-and-refusals).
   bool controlled = false;
-  int num_samples = 1;
+  bool units_serve = true;  // every controlled row can take unit candidates
+  int num_samples = 1;      // the batch's largest n
+  int stage1_samples = 1;   // the largest n among rows keeping stage-1 tokens
   int max_top_n = 0;
   for (int i = 0; i < batch.rows; ++i) {
     const RowSpec& spec = batch.specs[i];
@@ -1043,7 +1179,14 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
       continue;
     }
     ++valid_rows;
-    controlled = controlled || NeedsControlledSampler(params);
+    const bool row_controlled = NeedsControlledSampler(params);
+    by_controls[i] = row_controlled;
+    controlled = controlled || row_controlled;
+    if (row_controlled) {
+      units_serve = units_serve && ServedFromUnitCandidates(params);
+    } else {
+      stage1_samples = std::max(stage1_samples, static_cast<int>(params.n));
+    }
     // 1 / T rounded to fp32 once, as every backend does; 0 = greedy
     // (SamplingParams::greedy(), which also covers tiny temperatures).
     inv_temperature[i] = params.greedy() ? 0.0f : 1.0f / params.temperature;
@@ -1055,6 +1198,15 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
                                      params.logprobs.top_n, info_.vocab_size)));
   }
   if (valid_rows == 0) return absl::OkStatus();
+  if (controlled) {
+    // A controlled row's stage-1 tokens are not used, so it runs greedy
+    // there: an argmax per column instead of the pruned noise. Served from
+    // unit candidates, the kernel sums its tail mass at its 1 / T.
+    for (int i = 0; i < batch.rows; ++i) {
+      tail_inv_temperature[i] = by_controls[i] ? inv_temperature[i] : 0.0f;
+      if (by_controls[i]) inv_temperature[i] = 0.0f;
+    }
+  }
 
   if (options_.trap_next_batch_for_tests != nullptr &&
       options_.trap_next_batch_for_tests->exchange(false)) {
@@ -1079,59 +1231,134 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
                 "cudaStreamWaitEvent"));
     }
   }
-  ControlledOutputLayout layout;
   if (controlled) {
-    // The materialized path takes only the logits from stage 1 (the
-    // controlled sampler draws every sample), so one sample per row keeps
-    // stage 1 to one launch.
-    FS_RETURN_IF_ERROR(EnqueueStage1(slot, batch.rows, 1, /*logits=*/true));
-    FS_RETURN_IF_ERROR(
-        RunControlled(slot, batch, valid, num_samples, max_top_n, &layout));
-  } else if (options_.replay_graphs && ranks_.size() == 1 && num_samples == 1) {
+    return SampleControlled(slot, batch, by_controls, units_serve,
+                            stage1_samples, num_samples, max_top_n, results);
+  }
+  if (options_.replay_graphs && ranks_.size() == 1 && num_samples == 1) {
     FS_RETURN_IF_ERROR(LaunchPlainGraph(slot, batch.rows));
   } else {
     FS_RETURN_IF_ERROR(EnqueuePlainBatch(slot, batch.rows, num_samples));
   }
-  FS_RETURN_IF_ERROR(
-      Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
-  if (slot.exchange != nullptr) {
-    // Every rank's barrier has reported once its stream is idle.
-    for (size_t r = 1; r < ranks_.size(); ++r) {
-      FS_RETURN_IF_ERROR(
-          Check(cudaSetDevice(ranks_[r].device), "cudaSetDevice"));
-      FS_RETURN_IF_ERROR(Check(cudaStreamSynchronize(slot.ranks[r].stream),
-                               "cudaStreamSynchronize"));
-    }
-    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-    const TpBarrierResult barrier = slot.exchange->status();
-    if (barrier != TpBarrierResult::kOk) {
-      // A rank never arrived: its tokens are garbage and the exchange is
-      // unusable. Health turns NOT_SERVING (broken_), calls fail UNAVAILABLE.
-      broken_.store(true);
-      return FatalDeviceError(absl::StrCat("tensor-parallel barrier ",
-                                           TpBarrierResultName(barrier),
-                                           ": a GPU stopped answering"));
-    }
-  }
-
-  if (controlled) {
-    return CollectControlled(slot, batch, valid, layout, num_samples, max_top_n,
-                             results);
-  }
+  FS_RETURN_IF_ERROR(WaitForBatch(slot));
   for (int i = 0; i < batch.rows; ++i) {
     if (!valid[i]) continue;
+    FS_RETURN_IF_ERROR(TakeStage1Tokens(slot, i, batch.specs[i].params->n,
+                                        num_samples, &(*results)[i]));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::WaitForBatch(Slot& slot) {
+  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+  FS_RETURN_IF_ERROR(Check(cudaStreamSynchronize(slot.ranks[0].stream),
+                           "cudaStreamSynchronize"));
+  if (slot.exchange == nullptr) return absl::OkStatus();
+  // Every rank's barrier has reported once its stream is idle.
+  for (size_t r = 1; r < ranks_.size(); ++r) {
+    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[r].device), "cudaSetDevice"));
+    FS_RETURN_IF_ERROR(Check(cudaStreamSynchronize(slot.ranks[r].stream),
+                             "cudaStreamSynchronize"));
+  }
+  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+  const TpBarrierResult barrier = slot.exchange->status();
+  if (barrier != TpBarrierResult::kOk) {
+    // A rank never arrived: its tokens are garbage and the exchange is
+    // unusable. Health turns NOT_SERVING (broken_), calls fail UNAVAILABLE.
+    broken_.store(true);
+    return FatalDeviceError(absl::StrCat("tensor-parallel barrier ",
+                                         TpBarrierResultName(barrier),
+                                         ": a GPU stopped answering"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::TakeStage1Tokens(const Slot& slot, int row, int n,
+                                          int stride, RowResult* result) {
+  for (int j = 0; j < n; ++j) {
+    const int32_t token = slot.host_tokens[row * stride + j];
+    if (token < 0 || token >= info_.vocab_size) {
+      // Only NaN logits (overflowing hidden states) leave no candidate.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "row ", row,
+          ": no finite score (the hidden state overflows the logits)"));
+    }
+    result->token_ids.push_back(token);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
+                                          const std::vector<char>& by_controls,
+                                          bool units_serve, int stage1_samples,
+                                          int num_samples, int max_top_n,
+                                          std::vector<RowResult>* results) {
+  bool from_units = units_path_ && units_serve &&
+                    batch.rows >= kUnitCandidatesMinRows &&
+                    batch.rows <= kUnitCandidatesMaxRows;
+  if (from_units && unit_pause_batches_.load(std::memory_order_relaxed) > 0) {
+    unit_pause_batches_.fetch_sub(1, std::memory_order_relaxed);
+    from_units = false;
+  }
+  if (from_units && options_.unit_batches_for_tests != nullptr) {
+    options_.unit_batches_for_tests->fetch_add(1);
+  }
+  ControlledOutputLayout layout;
+  FS_RETURN_IF_ERROR(
+      EnqueueStage1(slot, batch.rows, stage1_samples,
+                    from_units ? Stage1Output::kUnits : Stage1Output::kLogits));
+  FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
+                                   max_top_n, from_units, &layout));
+  bool keeps_stage1 = false;
+  for (int i = 0; i < batch.rows; ++i) {
+    keeps_stage1 =
+        keeps_stage1 || (!by_controls[i] && (*results)[i].error.empty());
+  }
+  if (keeps_stage1) {
+    // Queued after the sampler's outputs, and only for batches with such
+    // rows: nothing stands between stage 1 and the sampler.
+    FS_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(slot.host_tokens, slot.device_tokens,
+                              sizeof(int32_t) * batch.rows * stage1_samples,
+                              cudaMemcpyDeviceToHost, slot.ranks[0].stream),
+              "cudaMemcpyAsync(tokens)"));
+  }
+  FS_RETURN_IF_ERROR(WaitForBatch(slot));
+  std::vector<char> uncertified(batch.rows, 0);
+  if (from_units) {
+    const auto* certified = reinterpret_cast<const int32_t*>(
+        static_cast<const char*>(slot.host_outputs) + layout.certified);
+    bool any_uncertified = false;
+    for (int i = 0; i < batch.rows; ++i) {
+      uncertified[i] = by_controls[i] && certified[i] == 0;
+      any_uncertified = any_uncertified || uncertified[i];
+    }
+    if (any_uncertified) {
+      unit_pause_batches_.store(kUnitCandidatesPauseBatches,
+                                std::memory_order_relaxed);
+      // Every controlled row again from materialized logits: the same
+      // tokens for the rows certified above (both paths are exact). Stage 1
+      // draws the other rows' tokens again, the same ones, already copied.
+      FS_RETURN_IF_ERROR(EnqueueStage1(slot, batch.rows, stage1_samples,
+                                       Stage1Output::kLogits));
+      FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
+                                       max_top_n, /*from_units=*/false,
+                                       &layout));
+      FS_RETURN_IF_ERROR(WaitForBatch(slot));
+    }
+  }
+  FS_RETURN_IF_ERROR(CollectControlled(slot, batch, by_controls, layout,
+                                       num_samples, max_top_n, results));
+  for (int i = 0; i < batch.rows; ++i) {
     RowResult& result = (*results)[i];
-    const int n = batch.specs[i].params->n;
-    for (int j = 0; j < n; ++j) {
-      const int32_t token = slot.host_tokens[i * num_samples + j];
-      if (token < 0 || token >= info_.vocab_size) {
-        // Only NaN logits (overflowing hidden states) leave no candidate.
-        return absl::InvalidArgumentError(
-            absl::StrCat("row ", i,
-                         ": no finite score (the hidden state overflows the "
-                         "logits)"));
+    if (by_controls[i]) {
+      if (uncertified[i] && result.exact_fallback == nullptr &&
+          result.error.empty()) {
+        result.exact_fallback = kMaterializedLogitsFallback;
       }
-      result.token_ids.push_back(token);
+    } else if (result.error.empty()) {
+      FS_RETURN_IF_ERROR(TakeStage1Tokens(slot, i, batch.specs[i].params->n,
+                                          stage1_samples, &result));
     }
   }
   return absl::OkStatus();

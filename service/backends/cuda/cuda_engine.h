@@ -43,9 +43,19 @@ struct CudaEngineOptions {
   // docs/performance.md#service). Off: every batch enqueues them one by one
   // (the tests compare the two).
   bool replay_graphs = true;
+  // One GPU with the wgmma kernel (sm_90): a controlled batch whose rows
+  // use temperature, top_k, top_p, min_p and n alone takes its candidates
+  // from the fused kernel (FusedSampleParams::unit_candidates, 0.875 bytes
+  // a token) instead of its fp32 logits (4 bytes a token); rows those
+  // cannot certify are sampled again from materialized logits. Off: every
+  // controlled batch materializes its logits (the tests compare the two).
+  bool unit_candidates = true;
   // Test-only; never set by the daemon: counts the batches launched as a
   // replayed graph (replay_graphs).
   std::shared_ptr<std::atomic<int64_t>> graph_launches_for_tests;
+  // Test-only; never set by the daemon: counts the batches whose candidates
+  // came from unit candidates (unit_candidates).
+  std::shared_ptr<std::atomic<int64_t>> unit_batches_for_tests;
   // Test-only; never set by the daemon. While it points at true, the next
   // Sample() first launches a kernel that traps (kernels/testing/) on rank
   // 0's stream and sets it back to false: the CUDA context then holds the

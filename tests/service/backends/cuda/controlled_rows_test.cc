@@ -149,6 +149,29 @@ TEST(ControlledRowsTest, OnlyControlsBeyondTemperatureAndNNeedTheSampler) {
   }
 }
 
+TEST(ControlledRowsTest, UnitCandidatesServeTheFiltersAloneWithoutLogprobs) {
+  SamplingParams filters;
+  filters.temperature = 0.7f;
+  filters.top_k = 50;
+  filters.top_p = 0.9f;
+  filters.min_p = 0.05f;
+  filters.n = 4;
+  EXPECT_TRUE(ServedFromUnitCandidates(filters));
+  EXPECT_TRUE(ServedFromUnitCandidates(SamplingParams()));
+  std::vector<SamplingParams> need_logits(8, filters);
+  need_logits[0].logit_bias = {{1, 2.0f}};
+  need_logits[1].banned_token_ids = {2};
+  need_logits[2].allowed_bitmask.assign(4, ~0u);
+  need_logits[3].repetition_penalty = 1.2f;
+  need_logits[4].presence_penalty = 0.5f;
+  need_logits[5].frequency_penalty = 0.5f;
+  need_logits[6].logprobs.sampled = true;
+  need_logits[7].logprobs.top_n = 2;
+  for (size_t i = 0; i < need_logits.size(); ++i) {
+    EXPECT_FALSE(ServedFromUnitCandidates(need_logits[i])) << i;
+  }
+}
+
 // Regression: T = 1e-38 reached the kernel as a temperature (1 / T scaled
 // logits to +-inf) and gave a wrong token. Rows SamplingParams::greedy()
 // calls greedy (T < 1e-5) reach it as temperature 0, its greedy rule; 1e-5

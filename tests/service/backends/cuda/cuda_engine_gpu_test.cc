@@ -6,7 +6,9 @@
 // parallel over two GPUs with an uneven split giving the same tokens as one GPU
 // (docs/design.md#invariance), a device fault (a trapping kernel, in its own
 // process) and the device memory the engine reports against what the device
-// lost. Every test skips loudly without (enough) GPUs.
+// lost, and controlled rows served from the fused kernel's unit candidates
+// giving the tokens of materialized logits. Every test skips loudly without
+// (enough) GPUs.
 #include <unistd.h>
 
 #include <algorithm>
@@ -172,7 +174,9 @@ void ExpectRowsEqual(const std::vector<RowResult>& gpu,
     }
     if (g.exact_fallback != nullptr) {
       EXPECT_TRUE(NeedsControlledSampler(p)) << row;
-      EXPECT_EQ(std::string(g.exact_fallback), "full_row_pass") << row;
+      const std::string label = g.exact_fallback;
+      EXPECT_TRUE(label == "full_row_pass" || label == "materialized_logits")
+          << row << ": " << label;
     }
   }
 }
@@ -351,6 +355,141 @@ TEST_F(CudaEngineGpuTest, CpuAndGpuAgreeOnRandomRows) {
   std::printf("%d of %d random rows give the CPU backend's tokens\n", agree,
               total);
   EXPECT_GE(agree * 1000, total * 999);
+}
+
+// Rows with temperature, top_k, top_p, min_p and n alone take their
+// candidates from the fused kernel's units (CudaEngineOptions::
+// unit_candidates): the same tokens as from materialized logits, row for
+// row (both are exact over the same fp32 logits), at a vocabulary with a
+// partial last tile and at qwen's; the units certify at least 90% of the
+// peaked rows the logits' chunks do; flat rows at top_p 0.99, which
+// neither certifies, come back from the materialized path, labelled, and
+// pause the units for the next batches; plain rows riding along keep stage
+// 1's tokens.
+TEST_F(CudaEngineGpuTest, UnitCandidatesGiveTheTokensOfMaterializedLogits) {
+  constexpr int kHidden = 256;
+  constexpr int kBatch = 64;
+  for (const int64_t vocab : {int64_t{32771}, int64_t{151936}}) {
+    const std::string where = "V = " + std::to_string(vocab);
+    std::mt19937_64 rng(vocab);
+    std::uniform_real_distribution<float> weight(-0.05f, 0.05f);
+    std::vector<float> values;
+    auto weights = Bf16Weights(
+        vocab, kHidden, "units", [&] { return weight(rng); }, &values);
+    ASSERT_NE(weights, nullptr);
+    auto batches = std::make_shared<std::atomic<int64_t>>(0);
+    CudaEngineOptions options;
+    options.devices = {0};
+    options.max_batch_rows = kBatch;
+    options.unit_batches_for_tests = batches;
+    auto units = CreateCudaEngine(weights, options);
+    ASSERT_TRUE(units.ok()) << units.status();
+    options.unit_candidates = false;
+    options.unit_batches_for_tests = nullptr;
+    auto logits = CreateCudaEngine(weights, options);
+    ASSERT_TRUE(logits.ok()) << logits.status();
+
+    std::vector<SamplingParams> params(8);
+    params[0].temperature = 0.8f;
+    params[0].top_k = 50;
+    params[0].top_p = 0.9f;
+    params[0].min_p = 0.05f;
+    params[1].top_p = 0.9f;
+    params[2].temperature = 0.7f;
+    params[2].top_k = 20;
+    params[3].temperature = 1.2f;
+    params[3].min_p = 0.1f;
+    params[3].n = 3;
+    params[4].temperature = 0.0f;
+    params[4].top_k = 5;
+    params[5].top_p = 0.95f;
+    params[5].n = 2;
+    params[6].temperature = 1.0f;  // plain, riding along
+    params[7].top_p = 0.99f;       // on flat rows
+    // Logits' std about 6 (peaked) and about 0.3 (flat; row 7 of 8).
+    std::uniform_real_distribution<float> peaked(-22.0f, 22.0f);
+    std::uniform_real_distribution<float> flat(-1.0f, 1.0f);
+    // Rounds 0-2: peaked rows of kinds 0-6; round 3 adds flat rows (kind
+    // 7), which neither path certifies, so the units pause; round 4, peaked
+    // again, materializes its logits at once.
+    constexpr int kRounds = 5;
+    constexpr int kFlatRound = 3;
+    // Per kind of row in rounds 0-2: certified from the units, from the
+    // logits.
+    std::vector<int> served(7, 0), certified(7, 0), rows_of(7, 0);
+    int flat_rows = 0;
+    int flat_fallbacks = 0;
+    for (int round = 0; round < kRounds; ++round) {
+      const int kinds = round == kFlatRound ? 8 : 7;
+      std::vector<float> hidden(static_cast<size_t>(kBatch) * kHidden);
+      std::vector<RowSpec> specs(kBatch);
+      for (int i = 0; i < kBatch; ++i) {
+        const int kind = i % kinds;
+        for (int d = 0; d < kHidden; ++d) {
+          hidden[static_cast<size_t>(i) * kHidden + d] =
+              Bf16ToFloat(FloatToBf16(kind == 7 ? flat(rng) : peaked(rng)));
+        }
+        specs[i].params = &params[kind];
+        specs[i].seed = rng();
+        specs[i].step = rng() % 100000;
+      }
+      const int64_t batches_before = batches->load();
+      std::vector<RowResult> from_units;
+      StageHidden(**units, 0, hidden);
+      ASSERT_TRUE((*units)
+                      ->Sample(BatchView{0, kBatch, specs.data()}, &from_units)
+                      .ok());
+      EXPECT_EQ(batches->load() - batches_before, round <= kFlatRound ? 1 : 0)
+          << where << ", round " << round;
+      std::vector<RowResult> from_logits;
+      StageHidden(**logits, 0, hidden);
+      ASSERT_TRUE((*logits)
+                      ->Sample(BatchView{0, kBatch, specs.data()}, &from_logits)
+                      .ok());
+      for (int i = 0; i < kBatch; ++i) {
+        const std::string row = where + ", round " + std::to_string(round) +
+                                ", row " + std::to_string(i);
+        ASSERT_TRUE(from_units[i].error.empty()) << row << from_units[i].error;
+        EXPECT_EQ(from_units[i].token_ids, from_logits[i].token_ids) << row;
+        EXPECT_EQ(from_units[i].token_ids.size(),
+                  static_cast<size_t>(specs[i].params->n))
+            << row;
+        const int kind = i % kinds;
+        if (kind == 6) {
+          // Plain rows keep stage 1's tokens: no fallback on either path.
+          EXPECT_EQ(from_units[i].exact_fallback, nullptr) << row;
+          EXPECT_EQ(from_logits[i].exact_fallback, nullptr) << row;
+        }
+        if (kind == 7) {
+          ++flat_rows;
+          flat_fallbacks += from_units[i].exact_fallback != nullptr;
+        }
+        if (round < kFlatRound && kind < 7) {
+          ++rows_of[kind];
+          served[kind] += from_units[i].exact_fallback == nullptr;
+          certified[kind] += from_logits[i].exact_fallback == nullptr;
+        }
+      }
+    }
+    for (int kind = 0; kind < 6; ++kind) {
+      std::printf(
+          "%s, rows of kind %d: %d of %d certified from units, %d "
+          "from logits\n",
+          where.c_str(), kind, served[kind], rows_of[kind], certified[kind]);
+    }
+    EXPECT_EQ(flat_fallbacks, flat_rows) << where;
+    // The units certify about as many controlled rows as the logits' chunks.
+    int served_rows = 0;
+    int certified_rows = 0;
+    int controlled_rows = 0;
+    for (int kind = 0; kind < 6; ++kind) {
+      served_rows += served[kind];
+      certified_rows += certified[kind];
+      controlled_rows += rows_of[kind];
+    }
+    EXPECT_GE(certified_rows * 10, controlled_rows * 9) << where;
+    EXPECT_GE(served_rows * 10, certified_rows * 9) << where;
+  }
 }
 
 TEST_F(CudaEngineGpuTest, ReportsItsShapeAndRefusesWhatItCannotDoExactly) {
