@@ -69,12 +69,12 @@ constexpr int64_t kShardGranularity = 128;
 // used.
 constexpr int kHiddenPadRows = 128;
 
-// Batch sizes served from unit candidates: from 16 rows the units' path is
-// 11-51 us faster than the logits' on an H100 (qwen, 16 to 128 rows:
-// 454 against 465 us, 519 against 559 us with top_k + top_p + min_p); a
-// single row is 5 us slower (451 against 446), 256 rows 98 us slower,
-// where the selection in the kernel's epilogue no longer hides behind its
-// loads (docs/performance.md#sampling-controls).
+// Batch sizes served from unit candidates: from 16 to 128 rows the units'
+// path is 10-40 us faster than the logits' on an H100 (qwen, top_k + top_p
+// + min_p: 454 against 465 us at 16 rows, 519 against 559 at 128); a
+// single row is 5 us slower (451 against 446), 256 rows 74 us slower (816
+// against 742), where the selection in the kernel's epilogue no longer
+// hides behind its loads (docs/performance.md#sampling-controls).
 constexpr int kUnitCandidatesMinRows = 16;
 constexpr int kUnitCandidatesMaxRows = 128;
 // After a batch the units could not certify (it paid stage 1 twice), the
