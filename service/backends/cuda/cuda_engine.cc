@@ -16,8 +16,9 @@
 // batch's other rows keep stage 1's tokens. It costs 4 * V bytes written
 // per row plus the controlled kernel's passes over them (at V = 151936:
 // 0.6 MB written, a few MB read per row) where the fused path writes none.
-// On one GPU with the wgmma kernel, a batch of 16 to 128 rows whose
-// controlled rows use temperature, top_k, top_p, min_p and n alone writes
+// On one GPU with the wgmma kernel, a batch of 16 to 128 rows (256 where
+// D >= 8192) whose controlled rows use temperature, top_k, top_p, min_p and
+// n alone writes
 // only each 32-token unit's highest logits instead
 // (FusedSampleParams::unit_candidates), and the controlled sampler's
 // candidate path samples from them; a batch with a row it cannot certify
@@ -74,9 +75,13 @@ constexpr int kHiddenPadRows = 128;
 // + min_p: 454 against 465 us at 16 rows, 519 against 559 at 128); a
 // single row is 5 us slower (451 against 446), 256 rows 74 us slower (816
 // against 742), where the selection in the kernel's epilogue no longer
-// hides behind its loads (docs/performance.md#sampling-controls).
+// hides behind its loads. With rows of W twice as long (D = 8192, llama)
+// it still hides: 256 rows 1017-1018 against 1068-1089 us over two calls
+// (docs/performance.md#sampling-controls).
 constexpr int kUnitCandidatesMinRows = 16;
 constexpr int kUnitCandidatesMaxRows = 128;
+constexpr int kUnitCandidatesMaxRowsLongW = 256;
+constexpr int64_t kUnitCandidatesLongW = 8192;  // D from which it applies
 // After a batch the units could not certify (it paid stage 1 twice), the
 // next this many controlled batches materialize their logits at once: a
 // workload of rows the units cannot certify (flat rows at top_p 0.99) pays
@@ -295,10 +300,10 @@ class CudaEngine final : public Engine {
                                  int max_samples, int max_top_n,
                                  std::vector<RowResult>* results);
   // A batch with controlled rows (by_controls[i]): stage 1 (unit
-  // candidates where every controlled row allows them and the batch is
-  // between kUnitCandidatesMinRows and kUnitCandidatesMaxRows rows, else
-  // logits), the controlled sampler, and the materialized path again where
-  // the units left a row uncertified; the other valid rows keep stage 1's
+  // candidates where every controlled row allows them and the batch size
+  // is in their range, kUnitCandidatesMinRows and up; else logits), the
+  // controlled sampler, and the materialized path again where the units
+  // left a row uncertified; the other valid rows keep stage 1's
   // stage1_samples tokens.
   absl::Status SampleControlled(Slot& slot, const BatchView& batch,
                                 const std::vector<char>& by_controls,
@@ -1293,9 +1298,12 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
                                           bool units_serve, int stage1_samples,
                                           int num_samples, int max_top_n,
                                           std::vector<RowResult>* results) {
+  const int max_unit_rows = info_.hidden_size >= kUnitCandidatesLongW
+                                ? kUnitCandidatesMaxRowsLongW
+                                : kUnitCandidatesMaxRows;
   bool from_units = units_path_ && units_serve &&
                     batch.rows >= kUnitCandidatesMinRows &&
-                    batch.rows <= kUnitCandidatesMaxRows;
+                    batch.rows <= max_unit_rows;
   if (from_units && unit_pause_batches_.load(std::memory_order_relaxed) > 0) {
     unit_pause_batches_.fetch_sub(1, std::memory_order_relaxed);
     from_units = false;
