@@ -2,8 +2,9 @@
 // small-integer weights (exact logits), with and without sampling controls
 // (tokens, logprobs, top lists and row errors equal the CPU's), at least
 // 99.9% of random rows on real-valued weights, two slots in flight, row
-// chunking for many samples and for large control lists, refusals, tensor
-// parallel over two GPUs with an uneven split giving the same tokens as one GPU
+// chunking for many samples and for large control lists, refusals, every
+// control over two and four GPUs, tensor parallel over two GPUs with an
+// uneven split giving the same tokens as one GPU
 // (docs/design.md#invariance), a device fault (a trapping kernel, in its own
 // process) and the device memory the engine reports against what the device
 // lost, and controlled rows served from the fused kernel's unit candidates
@@ -1002,20 +1003,23 @@ TEST_F(CudaEngineGpuTest, LargeControlListsRunInRowChunksOrFailTheirRow) {
 
 // Tensor parallel: each rank's logits gathered into rank 0's [B, V] buffer
 // give the CPU's rows for every control case, over an uneven split.
-TEST_F(CudaEngineGpuTest, ControlsOverTwoDevicesGiveTheCpuSamplersRows) {
-  FS_SKIP_WITHOUT_GPUS(2);
+// Every control over `devices` GPUs (tensor parallel, the logits gathered
+// on rank 0) against the CPU sampler.
+void ExpectControlsOverDevicesEqualCpu(int devices) {
   constexpr int64_t kVocab = 1001;
   constexpr int kHidden = 128;
   std::vector<float> values;
   auto weights = SmallIntegerWeights(kVocab, kHidden, 27, &values);
   ASSERT_NE(weights, nullptr);
-  CudaEngineOptions two;
-  two.devices = {0, 1};
-  two.max_batch_rows = 64;
-  auto engine = CreateCudaEngine(weights, two);
+  CudaEngineOptions options;
+  for (int d = 0; d < devices; ++d) options.devices.push_back(d);
+  options.max_batch_rows = 64;
+  auto engine = CreateCudaEngine(weights, options);
   ASSERT_TRUE(engine.ok()) << engine.status();
-  ASSERT_EQ((*engine)->info().shards.size(), 2u);
-  auto sampler = CpuReference(values, kVocab, kHidden);
+  ASSERT_EQ((*engine)->info().shards.size(), static_cast<size_t>(devices));
+  auto sampler =
+      CpuSampler::Create(std::make_shared<const std::vector<float>>(values),
+                         kVocab, kHidden, CpuSamplerOptions());
   ASSERT_TRUE(sampler.ok()) << sampler.status();
   for (const testing_controls::Case& c : testing_controls::Cases(kVocab)) {
     const std::vector<RowSpec> specs = testing_controls::Specs(c, 24, 28);
@@ -1023,9 +1027,20 @@ TEST_F(CudaEngineGpuTest, ControlsOverTwoDevicesGiveTheCpuSamplersRows) {
     for (int r : c.flat_rows) flat.push_back(r);
     const std::vector<float> hidden =
         testing_controls::MakeHidden(24, kHidden, 29, flat);
-    ExpectEngineEqualsCpu(**engine, **sampler, hidden, specs,
-                          c.name + " (two devices)");
+    ExpectEngineEqualsCpu(
+        **engine, **sampler, hidden, specs,
+        c.name + " (" + std::to_string(devices) + " devices)");
   }
+}
+
+TEST_F(CudaEngineGpuTest, ControlsOverTwoDevicesGiveTheCpuSamplersRows) {
+  FS_SKIP_WITHOUT_GPUS(2);
+  ExpectControlsOverDevicesEqualCpu(2);
+}
+
+TEST_F(CudaEngineGpuTest, ControlsOverFourDevicesGiveTheCpuSamplersRows) {
+  FS_SKIP_WITHOUT_GPUS(4);
+  ExpectControlsOverDevicesEqualCpu(4);
 }
 
 // The trap scenario, run in a death-test child: a fresh process, because the
