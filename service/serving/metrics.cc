@@ -159,8 +159,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 void Metrics::ObserveRequest(absl::string_view rpc, absl::StatusCode code,
                              double seconds) {
   static constexpr absl::string_view kRpcs[kKnownRpcs] = {
-      "Sample", "SampleStream", "GetModelInfo", "RegisterSharedMemory",
-      "UnregisterSharedMemory"};
+      kRpcSample, kRpcSampleStream, kRpcGetModelInfo, kRpcRegisterSharedMemory,
+      kRpcUnregisterSharedMemory};
   int slot = -1;
   const int code_value = static_cast<int>(code);
   if (code_value >= 0 && code_value < kStatusCodes) {

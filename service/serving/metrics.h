@@ -22,6 +22,14 @@
 
 namespace flashsampler {
 
+// The service's RPC names, the `rpc` label of the request metrics
+// (ObserveRequest keeps their children after the first request).
+inline constexpr char kRpcSample[] = "Sample";
+inline constexpr char kRpcSampleStream[] = "SampleStream";
+inline constexpr char kRpcGetModelInfo[] = "GetModelInfo";
+inline constexpr char kRpcRegisterSharedMemory[] = "RegisterSharedMemory";
+inline constexpr char kRpcUnregisterSharedMemory[] = "UnregisterSharedMemory";
+
 // What health would answer, as flashsampler_serving_state shows it.
 enum class ServingState { kLoading, kServing, kDraining, kNotServing };
 const char* ServingStateName(ServingState state);
@@ -36,7 +44,7 @@ class Metrics {
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
   // One finished RPC (for SampleStream: one answered message). `rpc` is the
-  // method name ("Sample", "SampleStream", "GetModelInfo").
+  // method name (kRpcSample ...).
   void ObserveRequest(absl::string_view rpc, absl::StatusCode code,
                       double seconds);
   // Accepted -> launched, once per request that reached a batch.
@@ -65,7 +73,7 @@ class Metrics {
   void BatchRowsSumAndCount(double* sum, uint64_t* count) const;
 
  private:
-  // The RPCs and status codes whose request children are kept below.
+  // The kRpc* names and status codes whose request children are kept below.
   static constexpr int kKnownRpcs = 5;
   static constexpr int kStatusCodes = 17;  // absl::StatusCode 0..16
 

@@ -20,11 +20,6 @@ namespace flashsampler {
 
 namespace {
 
-constexpr char kSample[] = "Sample";
-constexpr char kSampleStream[] = "SampleStream";
-constexpr char kGetModelInfo[] = "GetModelInfo";
-constexpr char kRegisterSharedMemory[] = "RegisterSharedMemory";
-constexpr char kUnregisterSharedMemory[] = "UnregisterSharedMemory";
 constexpr absl::Duration kDrainGrace = absl::Milliseconds(50);
 
 absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
@@ -161,7 +156,7 @@ class UnarySampleCall final : public BatchItem {
       SetTiming(timing, &response_);
       s = SerializeResponse(response_, response_bytes_);
     }
-    metrics_->ObserveRequest(kSample, s.code(), SecondsSince(start_));
+    metrics_->ObserveRequest(kRpcSample, s.code(), SecondsSince(start_));
     reactor_->Finish(ToGrpcStatus(s));
   }
 
@@ -233,7 +228,7 @@ class SampleStreamReactor final
         // Nothing after an unparsable message can be trusted to line up
         // with the caller's requests: stop reading, answer what came
         // before, end the stream with the error.
-        service_->metrics_->ObserveRequest(kSampleStream,
+        service_->metrics_->ObserveRequest(kRpcSampleStream,
                                            absl::StatusCode::kInvalidArgument,
                                            SecondsSince(entry->start));
         absl::MutexLock lock(&mu_);
@@ -406,7 +401,7 @@ class SampleStreamReactor final
     // An error response of a code and a message always serializes.
     SerializeResponse(e->response, &e->response_bytes).IgnoreError();
     e->ready = true;
-    service_->metrics_->ObserveRequest(kSampleStream, status.code(),
+    service_->metrics_->ObserveRequest(kRpcSampleStream, status.code(),
                                        SecondsSince(e->start));
   }
 
@@ -428,7 +423,7 @@ class SampleStreamReactor final
       --in_batcher_;
       if (s.ok()) {
         e->ready = true;
-        service_->metrics_->ObserveRequest(kSampleStream, s.code(),
+        service_->metrics_->ObserveRequest(kRpcSampleStream, s.code(),
                                            SecondsSince(e->start));
       } else {
         SetError(e, s);
@@ -496,7 +491,7 @@ grpc::ServerUnaryReactor* SamplerService::Sample(
     status = batcher_->SubmitOrRun(std::move(call));
     if (status.ok()) return reactor;
   }
-  metrics_->ObserveRequest(kSample, status.code(), SecondsSince(start));
+  metrics_->ObserveRequest(kRpcSample, status.code(), SecondsSince(start));
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
@@ -511,7 +506,7 @@ grpc::ServerUnaryReactor* SamplerService::GetModelInfo(
     const v1::GetModelInfoRequest* /*request*/, v1::ModelInfo* response) {
   const absl::Time start = absl::Now();
   *response = model_info_;
-  return FinishInHandler(context, metrics_, kGetModelInfo, start,
+  return FinishInHandler(context, metrics_, kRpcGetModelInfo, start,
                          absl::OkStatus());
 }
 
@@ -525,7 +520,7 @@ grpc::ServerUnaryReactor* SamplerService::RegisterSharedMemory(
           ? SharedMemoryOff("")
           : shared_memory_->Register(request->name(), request->key(),
                                      request->byte_size());
-  return FinishInHandler(context, metrics_, kRegisterSharedMemory, start,
+  return FinishInHandler(context, metrics_, kRpcRegisterSharedMemory, start,
                          status);
 }
 
@@ -537,7 +532,7 @@ grpc::ServerUnaryReactor* SamplerService::UnregisterSharedMemory(
   const absl::Status status = shared_memory_ == nullptr
                                   ? SharedMemoryOff("")
                                   : shared_memory_->Unregister(request->name());
-  return FinishInHandler(context, metrics_, kUnregisterSharedMemory, start,
+  return FinishInHandler(context, metrics_, kRpcUnregisterSharedMemory, start,
                          status);
 }
 
