@@ -232,6 +232,34 @@ class CudaEngineGpuTest : public ::testing::Test {
         CpuSamplerOptions());
   }
 
+  // Every control over `devices` GPUs (tensor parallel, the logits gathered
+  // on rank 0) against the CPU sampler.
+  static void ExpectControlsOverDevicesEqualCpu(int devices) {
+    constexpr int64_t kVocab = 1001;
+    constexpr int kHidden = 128;
+    std::vector<float> values;
+    auto weights = SmallIntegerWeights(kVocab, kHidden, 27, &values);
+    ASSERT_NE(weights, nullptr);
+    CudaEngineOptions options;
+    for (int d = 0; d < devices; ++d) options.devices.push_back(d);
+    options.max_batch_rows = 64;
+    auto engine = CreateCudaEngine(weights, options);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_EQ((*engine)->info().shards.size(), static_cast<size_t>(devices));
+    auto sampler = CpuReference(values, kVocab, kHidden);
+    ASSERT_TRUE(sampler.ok()) << sampler.status();
+    for (const testing_controls::Case& c : testing_controls::Cases(kVocab)) {
+      const std::vector<RowSpec> specs = testing_controls::Specs(c, 24, 28);
+      std::vector<int> flat;
+      for (int r : c.flat_rows) flat.push_back(r);
+      const std::vector<float> hidden =
+          testing_controls::MakeHidden(24, kHidden, 29, flat);
+      ExpectEngineEqualsCpu(
+          **engine, **sampler, hidden, specs,
+          c.name + " (" + std::to_string(devices) + " devices)");
+    }
+  }
+
   // Weights from a "synthetic:..." source.
   static absl::StatusOr<std::shared_ptr<const Weights>> LoadSynthetic(
       const std::string& source) {
@@ -1003,36 +1031,6 @@ TEST_F(CudaEngineGpuTest, LargeControlListsRunInRowChunksOrFailTheirRow) {
 
 // Tensor parallel: each rank's logits gathered into rank 0's [B, V] buffer
 // give the CPU's rows for every control case, over an uneven split.
-// Every control over `devices` GPUs (tensor parallel, the logits gathered
-// on rank 0) against the CPU sampler.
-void ExpectControlsOverDevicesEqualCpu(int devices) {
-  constexpr int64_t kVocab = 1001;
-  constexpr int kHidden = 128;
-  std::vector<float> values;
-  auto weights = SmallIntegerWeights(kVocab, kHidden, 27, &values);
-  ASSERT_NE(weights, nullptr);
-  CudaEngineOptions options;
-  for (int d = 0; d < devices; ++d) options.devices.push_back(d);
-  options.max_batch_rows = 64;
-  auto engine = CreateCudaEngine(weights, options);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  ASSERT_EQ((*engine)->info().shards.size(), static_cast<size_t>(devices));
-  auto sampler =
-      CpuSampler::Create(std::make_shared<const std::vector<float>>(values),
-                         kVocab, kHidden, CpuSamplerOptions());
-  ASSERT_TRUE(sampler.ok()) << sampler.status();
-  for (const testing_controls::Case& c : testing_controls::Cases(kVocab)) {
-    const std::vector<RowSpec> specs = testing_controls::Specs(c, 24, 28);
-    std::vector<int> flat;
-    for (int r : c.flat_rows) flat.push_back(r);
-    const std::vector<float> hidden =
-        testing_controls::MakeHidden(24, kHidden, 29, flat);
-    ExpectEngineEqualsCpu(
-        **engine, **sampler, hidden, specs,
-        c.name + " (" + std::to_string(devices) + " devices)");
-  }
-}
-
 TEST_F(CudaEngineGpuTest, ControlsOverTwoDevicesGiveTheCpuSamplersRows) {
   FS_SKIP_WITHOUT_GPUS(2);
   ExpectControlsOverDevicesEqualCpu(2);
