@@ -192,9 +192,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   void* fused_workspace = nullptr;
   void* controlled_workspace = nullptr;
   void* plan_bytes = nullptr;
-  float* unit_raws = nullptr;
-  uint8_t* unit_slots = nullptr;
-  UnitSummary* unit_summaries = nullptr;
+  UnitRecord* unit_records = nullptr;
+  uint32_t* unit_row_maxima = nullptr;  // [2][max_batch]: bound, then top
   int32_t* out_tokens = nullptr;
   float* out_logprobs = nullptr;
   int32_t* out_top_ids = nullptr;
@@ -226,10 +225,10 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   BENCH_CHECK(cudaMalloc(&plan_bytes, kPlanBytes));
   const size_t batch_units =
       static_cast<size_t>(max_batch) * static_cast<size_t>(UnitsPerRow(vocab));
-  BENCH_CHECK(
-      cudaMalloc(&unit_raws, sizeof(float) * kUnitCandidates * batch_units));
-  BENCH_CHECK(cudaMalloc(&unit_slots, kUnitCandidates * batch_units));
-  BENCH_CHECK(cudaMalloc(&unit_summaries, sizeof(UnitSummary) * batch_units));
+  const size_t unit_maxima_bytes = 2 * sizeof(uint32_t) * max_batch;
+  BENCH_CHECK(cudaMalloc(&unit_records, sizeof(UnitRecord) * batch_units));
+  BENCH_CHECK(cudaMalloc(&unit_row_maxima, unit_maxima_bytes));
+  BENCH_CHECK(cudaMemset(unit_row_maxima, 0, unit_maxima_bytes));
   BENCH_CHECK(cudaMalloc(&out_tokens, sizeof(int32_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&out_logprobs, sizeof(float) * max_batch));
   BENCH_CHECK(cudaMalloc(&out_top_ids, sizeof(int32_t) * max_batch * kMaxTopN));
@@ -286,19 +285,17 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   // units can serve).
   auto fused_units = [&](const void* h, int batch) {
     FusedSampleParams params = fused_params(h, batch, greedy_inv_temperature);
-    params.unit_candidates.raws = unit_raws;
-    params.unit_candidates.slots = unit_slots;
-    params.unit_candidates.summaries = unit_summaries;
-    params.unit_candidates.row_stride = max_batch;
+    params.unit_candidates.records = unit_records;
+    params.unit_candidates.row_bound = unit_row_maxima;
+    params.unit_candidates.row_top = unit_row_maxima + max_batch;
     params.unit_candidates.tail_inv_temperature = inv_temperature;
     return LaunchFusedSample(params, fused_workspace, fused_workspace_bytes,
                              stream);
   };
   ControlledUnits units;
-  units.raws = unit_raws;
-  units.slots = unit_slots;
-  units.summaries = unit_summaries;
-  units.row_stride = max_batch;
+  units.records = unit_records;
+  units.row_bound = unit_row_maxima;
+  units.row_top = unit_row_maxima + max_batch;
   units.tail_inv_temperature = inv_temperature;
 
   // The peaked rows: the flat rows scaled so that the first rows' mean
@@ -375,6 +372,9 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         })) {
       return false;
     }
+    // fused_units_out ran without the merge kernel, which resets the rows'
+    // maxima for the next launch.
+    BENCH_CHECK(cudaMemsetAsync(unit_row_maxima, 0, unit_maxima_bytes, stream));
     for (const Controls& controls : controlled) {
       const ControlledPlan plan = MakePlan(controls, lists, batch);
       const std::vector<unsigned char> bytes = plan.bytes();
@@ -496,10 +496,9 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         static_cast<void*>(out_certified)}) {
     BENCH_CHECK(cudaFree(pointer));
   }
-  for (void* pointer :
-       {static_cast<void*>(greedy_inv_temperature),
-        static_cast<void*>(unit_raws), static_cast<void*>(unit_slots),
-        static_cast<void*>(unit_summaries)}) {
+  for (void* pointer : {static_cast<void*>(greedy_inv_temperature),
+                        static_cast<void*>(unit_records),
+                        static_cast<void*>(unit_row_maxima)}) {
     BENCH_CHECK(cudaFree(pointer));
   }
   return true;

@@ -979,166 +979,6 @@ __global__ void __launch_bounds__(kChunkThreads, 8)
   }
 }
 
-// The chunk kernel's summaries and candidates from the fused kernel's unit
-// candidates (kernels/sampler/unit_candidates.h) instead of the logits: one
-// warp per (chunk, row) reads the chunk's 64 units, 4 candidates each. More
-// than 64 candidates: the 65th highest key, found bit by bit (32 warp
-// counts), is the cut, and the candidates keyed above it are written. The
-// chunk's boundary is the highest of the cut and the units' bounds, so every
-// token left out, by its unit or here, is keyed at or below it; its tail
-// mass is the units' tails moved onto that boundary plus the candidates left
-// out. A row this path cannot serve -- a bitmask, per-token entries or
-// logprobs, whose chunks need every logit, or a unit tail computed at
-// another temperature -- gets chunks marked non-finite, which the merge
-// kernel never certifies.
-constexpr int kUnitsPerChunk = kChunkTokens / kUnitTokens;
-constexpr int kUnitChunkWarps = 4;
-constexpr int kUnitSlotsPerLane = kUnitsPerChunk * kUnitCandidates / 32;
-static_assert(kUnitsPerChunk == 64 && kUnitSlotsPerLane == 8,
-              "a lane holds two units of four slots");
-
-__global__ void __launch_bounds__(kUnitChunkWarps * 32)
-    UnitChunkKernel(const ControlledSampleParams p, ControlledUnits u,
-                    CandidateWorkspace w) {
-  constexpr unsigned kAll = 0xffffffffu;
-  const int lane = threadIdx.x & 31;
-  const int chunk = blockIdx.x * kUnitChunkWarps + (threadIdx.x >> 5);
-  const int r = blockIdx.y;
-  if (chunk >= w.chunks) return;  // the whole warp
-  const ControlledRow c = p.row_controls[r];
-  const int32_t vocab = static_cast<int32_t>(p.vocab);
-  const int64_t units = UnitsPerRow(p.vocab);
-  const bool greedy = c.temperature == 0.0f;
-  const float inv_t = RowInverseTemperature(c);
-  bool uncertifiable = c.bitmask_offset >= 0 ||
-                       c.special_begin != c.special_end || WantsLogprobs(c);
-
-  uint32_t keys[kUnitSlotsPerLane];
-  float raws[kUnitSlotsPerLane];
-  int32_t ids[kUnitSlotsPerLane];
-  uint32_t unit_bound[2];
-  float unit_tail[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t q =
-        static_cast<int64_t>(chunk) * kUnitsPerChunk + 32 * h + lane;
-    const bool exists = q < units;
-    const int64_t at = q * u.row_stride + r;  // the (unit, row) record
-    UnitSummary summary{0u, 0.0f};
-    if (exists) summary = u.summaries[at];
-    uncertifiable |= summary.bound == kUnitNonFinite;
-    unit_bound[h] = summary.bound == kUnitNonFinite ? 0u : summary.bound;
-    unit_tail[h] = summary.tail;
-#pragma unroll
-    for (int k = 0; k < kUnitCandidates; ++k) {
-      const int j = kUnitCandidates * h + k;
-      const int64_t slot_at = at * kUnitCandidates + k;
-      const uint8_t slot = exists ? u.slots[slot_at] : kUnitNoSlot;
-      const bool valid = slot != kUnitNoSlot;
-      raws[j] = valid ? controls::FoldZero(u.raws[slot_at]) : controls::kNegInf;
-      keys[j] = valid ? controls::OrderKey(raws[j]) : 0u;
-      ids[j] = valid ? static_cast<int32_t>(UnitSlotRow(q, slot)) : -1;
-    }
-  }
-  int valid_count = 0;
-#pragma unroll
-  for (int j = 0; j < kUnitSlotsPerLane; ++j) valid_count += keys[j] != 0u;
-  const int candidates = __reduce_add_sync(kAll, valid_count);
-  // The 65th highest key: the largest value with more than 64 keys at or
-  // above it (0 with at most 64 candidates: all are written).
-  uint32_t cut = 0u;
-  if (candidates > kChunkCandidates) {
-    for (int bit = 31; bit >= 0; --bit) {
-      const uint32_t trial = cut | (1u << bit);
-      int at_or_above = 0;
-#pragma unroll
-      for (int j = 0; j < kUnitSlotsPerLane; ++j)
-        at_or_above += keys[j] >= trial;
-      if (__reduce_add_sync(kAll, at_or_above) > kChunkCandidates) cut = trial;
-    }
-  }
-  uint32_t writes = 0u;
-#pragma unroll
-  for (int j = 0; j < kUnitSlotsPerLane; ++j)
-    writes |= (keys[j] != 0u && keys[j] > cut ? 1u : 0u) << j;
-  const uint32_t boundary =
-      max(__reduce_max_sync(kAll, max(unit_bound[0], unit_bound[1])), cut);
-  const bool truncated = boundary != 0u;
-
-  // Written slots in lane order.
-  const int mine = __popc(writes);
-  int inclusive = mine;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int up = __shfl_up_sync(kAll, inclusive, offset);
-    if (lane >= offset) inclusive += up;
-  }
-  const int written = __shfl_sync(kAll, inclusive, 31);
-  const int64_t slot = static_cast<int64_t>(r) * w.chunks + chunk;
-  int at = inclusive - mine;
-#pragma unroll
-  for (int j = 0; j < kUnitSlotsPerLane; ++j) {
-    if (writes & (1u << j)) {
-      w.ids[slot * kChunkCandidates + at] = ids[j];
-      w.raws[slot * kChunkCandidates + at] = raws[j];
-      ++at;
-    }
-  }
-
-  // The tail's mass (top_p rows that top_k does not bound, as the chunk
-  // kernel): the units' fp32 sums, each within 2e-6 of exact (at most 28
-  // terms), rescaled, plus the candidates left out; within 2e-5 of exact,
-  // inside the merge's headroom. A unit that did not sum its tail at this
-  // row's temperature (tail < 0: not asked) makes the row uncertifiable.
-  const bool want_tail = truncated && !greedy && c.top_p < 1.0f &&
-                         !(c.top_k > 0 && c.top_k < vocab);
-  float tail = 0.0f;
-  if (want_tail) {
-    if (u.tail_inv_temperature == nullptr ||
-        u.tail_inv_temperature[r] != inv_t) {
-      uncertifiable = true;
-    }
-    const float tail_top =
-        controls::ScaledLogit(controls::KeyValue(boundary), inv_t);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (unit_bound[h] == 0u) continue;
-      uncertifiable |= unit_tail[h] < 0.0f;
-      const float top =
-          controls::ScaledLogit(controls::KeyValue(unit_bound[h]), inv_t);
-      tail = FS_FADD(tail, FS_FMUL(unit_tail[h], expf(FS_FSUB(top, tail_top))));
-    }
-#pragma unroll
-    for (int j = 0; j < kUnitSlotsPerLane; ++j) {
-      if (keys[j] != 0u && !(writes & (1u << j))) {
-        const float x = controls::ScaledLogit(raws[j], inv_t);
-        tail = FS_FADD(tail, expf(FS_FSUB(x, tail_top)));
-      }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-      tail = FS_FADD(tail, __shfl_xor_sync(kAll, tail, offset));
-  }
-  float raw_max = controls::kNegInf;
-#pragma unroll
-  for (int j = 0; j < kUnitSlotsPerLane; ++j) raw_max = fmaxf(raw_max, raws[j]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1)
-    raw_max = fmaxf(raw_max, __shfl_xor_sync(kAll, raw_max, offset));
-  uncertifiable = __any_sync(kAll, uncertifiable);
-  if (lane == 0) {
-    ChunkSummary s;
-    s.boundary = boundary;
-    s.written = written;
-    s.flags = (truncated ? kChunkTruncated : 0) |
-              (uncertifiable ? kChunkNonFinite : 0);
-    s.raw_max = raw_max;
-    s.raw_sum = 0.0;  // raw logprobs never take this path
-    s.tail_sum = tail;
-    w.summaries[slot] = s;
-  }
-}
-
 // Sum of 128-bit masses over the block, as hi and lo 32-bit halves.
 __device__ U128 BlockMassSum(unsigned long long hi, unsigned long long lo,
                              SharedState& sh) {
@@ -1148,13 +988,12 @@ __device__ U128 BlockMassSum(unsigned long long hi, unsigned long long lo,
 }
 
 // Bounds on the top-p mass (FixedMass units) of the members the merge does
-// not see: the truncated chunks' tails, from their float sums (within 2e-4
-// of exact: 1e-3 of headroom either way, and one unit per token for
-// FixedMass's truncation), and the written candidates at or below the bound,
-// exactly, from the merge kernel's shared copies of the row's slots
-// (cand_raw) and of each chunk's count of written slots. The tails count
+// not see, from `tail`, the left-out tokens' mass x 2^62 from float sums
+// (within 2e-4 of exact: 1e-3 of headroom either way, and one unit per
+// token for FixedMass's truncation), and `written`, the exact mass of the
+// candidates at or below the bound that are members. The tails count
 // toward the lower bound only without a min_p floor, where every unseen
-// token they sum is a member. Every thread calls it.
+// token they sum is a member.
 struct UnseenMass {
   U128 lower;
   U128 upper;
@@ -1169,6 +1008,42 @@ __device__ U128 DoubleToU128(double v) {
          static_cast<U128>(static_cast<unsigned long long>(lo));
 }
 
+__device__ UnseenMass UnseenMassFromSums(double tail, U128 written, float floor,
+                                         int32_t vocab) {
+  UnseenMass bounds;
+  bounds.upper =
+      DoubleToU128(tail * (1.0 + 1e-3) + static_cast<double>(vocab)) + 1 +
+      written;
+  bounds.lower =
+      (floor == controls::kNegInf
+           ? DoubleToU128(tail * (1.0 - 1e-3) - static_cast<double>(vocab))
+           : 0) +
+      written;
+  return bounds;
+}
+
+// The same bounds from the units' path's sums, tail and written both in
+// fp64 relative to x_max (within 1e-5 of exact: GatherUnitCandidates), so
+// that the headroom covers both; written counts toward the lower bound
+// whatever the floor (its terms are members).
+__device__ UnseenMass UnseenMassFromApprox(double tail, double written,
+                                           float floor, int32_t vocab) {
+  constexpr double kTwo62 = 4611686018427387904.0;
+  UnseenMass bounds;
+  bounds.upper = DoubleToU128((tail + written) * kTwo62 * (1.0 + 1e-3) +
+                              static_cast<double>(vocab)) +
+                 1;
+  bounds.lower =
+      DoubleToU128(((floor == controls::kNegInf ? tail : 0.0) + written) *
+                       kTwo62 * (1.0 - 1e-3) -
+                   static_cast<double>(vocab));
+  return bounds;
+}
+
+// The unseen mass of a row on the chunks' candidates: the truncated chunks'
+// tails, and the written candidates at or below the bound from the merge
+// kernel's shared copies of the row's slots (cand_raw) and of each chunk's
+// count of written slots. Every thread calls it.
 __device__ UnseenMass UnseenMassBounds(
     const CandidateWorkspace& w, const ChunkSummary* summaries,
     const float* cand_raw, const int32_t* chunk_written, uint32_t bound_key,
@@ -1196,17 +1071,7 @@ __device__ UnseenMass UnseenMassBounds(
     hi += mass >> 32;
     lo += mass & 0xffffffffu;
   }
-  const U128 written = BlockMassSum(hi, lo, sh);
-  UnseenMass bounds;
-  bounds.upper =
-      DoubleToU128(tail * (1.0 + 1e-3) + static_cast<double>(vocab)) + 1 +
-      written;
-  bounds.lower =
-      (floor == controls::kNegInf
-           ? DoubleToU128(tail * (1.0 - 1e-3) - static_cast<double>(vocab))
-           : 0) +
-      written;
-  return bounds;
+  return UnseenMassFromSums(tail, BlockMassSum(hi, lo, sh), floor, vocab);
 }
 
 // The processed logit x of `id` (the full pass's transform for one token):
@@ -1253,6 +1118,13 @@ struct MergeShared {
   unsigned long long sorted[kMergeSortCapacity];
   unsigned long long mass[kMergeSortCapacity];
   int warp_slots[kWarps];
+  // The units' path (GatherUnitCandidates): the row's maxima, the
+  // candidates gathered, and for top-p rows the sums below the bound.
+  uint32_t unit_row_bound;
+  uint32_t unit_row_top;
+  int gathered;
+  double unit_tail;
+  double unit_written;
   int sorted_count;
   int select_bin;
   int cut_index;     // survivors: sorted[0 .. cut_index]
@@ -1284,14 +1156,227 @@ __device__ void SortDescending(unsigned long long* keys, int n) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    CandidateMergeKernel(const ControlledSampleParams p, CandidateWorkspace w) {
+// What GatherUnitCandidates hands the merge kernel besides the candidates
+// and, in m.unit_tail and m.unit_written for top-p rows that top_k does not
+// bound, the mass relative to x_max of the tokens the units left out and of
+// the written candidates left out that are members.
+struct UnitGather {
+  int count;       // candidates gathered, all keyed above `bound`
+  uint32_t bound;  // the row's highest unit bound: 0 when none left any out
+  float x_max;     // the row's largest processed logit
+};
+
+// Visits this thread's share of row r's unit records (a sector each,
+// kInFlight of them loaded at once): on_unit(bound, tail) for each record
+// and on_candidate(unit, slot, raw) for its candidates, in order, until one
+// returns false.
+template <int kInFlight, typename OnUnit, typename OnCandidate>
+__device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
+                           OnUnit on_unit, OnCandidate on_candidate) {
+#pragma unroll kInFlight
+  for (int64_t q = threadIdx.x; q < units; q += kThreads) {
+    const uint4* record =
+        reinterpret_cast<const uint4*>(u.records + r * units + q);
+    const uint4 raws = record[0];
+    const uint4 rest = record[1];  // slots, bound, tail
+    const uint32_t raw_bits[kUnitCandidates] = {raws.x, raws.y, raws.z, raws.w};
+#pragma unroll
+    for (int k = 0; k < kUnitCandidates; ++k) {
+      const uint32_t slot = (rest.x >> (8 * k)) & 0xffu;
+      if (slot == kUnitNoSlot ||
+          !on_candidate(q, static_cast<int>(slot),
+                        controls::FoldZero(__uint_as_float(raw_bits[k])))) {
+        break;
+      }
+    }
+    on_unit(rest.y, __uint_as_float(rest.z));
+  }
+}
+
+// The merge kernel's candidates from the fused kernel's unit candidates
+// (kernels/sampler/unit_candidates.h) rather than from the chunk kernel:
+// the row's highest unit bound and highest key, atomic maxima of the fused
+// kernel (in m.unit_row_bound / unit_row_top), say before any unit is read
+// that the candidates keyed above that bound are the region (every token a
+// unit left out is at or below it) and what the row's maximum is, so one
+// pass over the row's records gathers them into cand_raw / cand_id and, for
+// top_p rows, sums the mass below the bound. More of them than `room`
+// (small vocabularies, flat rows): a histogram of their distance bins picks
+// the highest bins that fit, and the bound rises to the highest key left
+// out, as the chunk kernel's cut does. False (in every thread) where the
+// row cannot be certified here: a bitmask, per-token entries or logprobs
+// (they need every logit), a non-finite logit, a maximum not above every
+// bound, a tail summed at another temperature, or a closest bin alone over
+// `room`. Every thread calls it.
+__device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
+                                     const ControlledUnits& u,
+                                     const ControlledRow& c, int r, float inv_t,
+                                     bool want_tail, float* cand_raw,
+                                     int32_t* cand_id, int room, MergeShared& m,
+                                     UnitGather* g) {
+  const uint32_t unit_bound = m.unit_row_bound;
+  const uint32_t top = m.unit_row_top;
+  if (c.bitmask_offset >= 0 || c.special_begin != c.special_end ||
+      WantsLogprobs(c) || unit_bound == kUnitNonFinite || !(top > unit_bound) ||
+      (want_tail && (u.tail_inv_temperature == nullptr ||
+                     u.tail_inv_temperature[r] != inv_t))) {
+    return false;
+  }
+  const float x_max = controls::ScaledLogit(controls::KeyValue(top), inv_t);
+  const bool use_min_p = c.temperature != 0.0f && c.min_p > 0.0f;
+  const float floor =
+      use_min_p ? controls::MinPFloor(x_max, c.log_min_p) : controls::kNegInf;
+  const int64_t units = UnitsPerRow(p.vocab);
+  // Top-p rows: the unseen members' mass relative to x_max, fp32 terms
+  // summed per thread in fp64. Each term is within 1e-5 of exact (a unit's
+  // fp32 tail of at most 28 terms within 2e-6, expf within 2 ulp, the
+  // rounding of x - x_max within |x - x_max| 2^-24 < 6e-6 where expf does
+  // not underflow; a term that underflows is below 2^-126, far under one
+  // FixedMass unit, 2^-62): inside UnseenMassFromApprox's 1e-3 of headroom.
+  // `tail`: the tokens the units left out (members where there is no min_p
+  // floor); `written`: the written candidates left out that are members.
+  // Against a double exp per term (FixedMass's), qwen top_p 0.9 at 16 and
+  // 128 rows: 457 and 492 against 464 and 500 us (H100, two calls).
+  double tail = 0.0;
+  double written = 0.0;
+  unsigned long long bad = 0;
+  auto add_written = [&](float raw) {
+    const float x = controls::ScaledLogit(raw, inv_t);
+    if (x >= floor) written += expf(FS_FSUB(x, x_max));
+  };
+  auto gather = [&](int64_t q, int slot, float raw) {
+    const int at = atomicAdd(&m.gathered, 1);
+    if (at < room) {
+      cand_raw[at] = raw;
+      cand_id[at] = static_cast<int32_t>(UnitSlotRow(q, slot));
+    }
+  };
+  VisitUnits<4>(
+      u, r, units,
+      [&](uint32_t bound, float unit_tail) {
+        if (!want_tail || bound == 0u) return;
+        if (!(unit_tail >= 0.0f)) bad = 1;  // not summed at this row's 1 / T
+        const float unit_top =
+            controls::ScaledLogit(controls::KeyValue(bound), inv_t);
+        tail += FS_FMUL(unit_tail, expf(FS_FSUB(unit_top, x_max)));
+      },
+      [&](int64_t q, int slot, float raw) {
+        if (controls::OrderKey(raw) > unit_bound) {
+          gather(q, slot, raw);
+          return true;
+        }
+        if (want_tail) add_written(raw);
+        // Every unit bound has its low 5 bits set, so a key is above the
+        // highest one iff its top 27 bits are, and a record's candidates
+        // come in descending order of those: once one is not above, none
+        // after it is.
+        return want_tail;
+      });
+  __syncthreads();
+  int count = m.gathered;
+  uint32_t bound = unit_bound;
+  if (count > room) {
+    for (int b = threadIdx.x; b < kDistanceBins; b += kThreads)
+      m.bin_count[b] = 0u;
+    __syncthreads();
+    auto no_unit = [](uint32_t, float) {};
+    VisitUnits<1>(u, r, units, no_unit, [&](int64_t, int, float raw) {
+      if (controls::OrderKey(raw) <= unit_bound) return false;
+      atomicAdd(
+          &m.bin_count[DistanceBin(x_max, controls::ScaledLogit(raw, inv_t))],
+          1u);
+      return true;
+    });
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // The first bin whose running count passes `room`: the bins before
+      // it are kept. Lane l sums bins 8l .. 8l + 7.
+      constexpr int kBinsPerLane = kDistanceBins / 32;
+      const int lane = threadIdx.x;
+      int sum = 0;
+      for (int b = 0; b < kBinsPerLane; ++b)
+        sum += static_cast<int>(m.bin_count[kBinsPerLane * lane + b]);
+      int inclusive = sum;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += up;
+      }
+      const unsigned over = __ballot_sync(0xffffffffu, inclusive > room);
+      if (lane == __ffs(over) - 1) {  // `over` is not empty: count > room
+        int running = inclusive - sum;
+        int keep = kBinsPerLane * lane + kBinsPerLane - 1;
+        for (int b = 0; b < kBinsPerLane; ++b) {
+          running += static_cast<int>(m.bin_count[kBinsPerLane * lane + b]);
+          if (running > room) {
+            keep = kBinsPerLane * lane + b;
+            break;
+          }
+        }
+        m.select_bin = keep;
+        m.gathered = 0;
+      }
+    }
+    __syncthreads();
+    const int keep = m.select_bin;  // bins [0, keep) are gathered
+    if (keep == 0) return false;
+    unsigned long long left_out = 0;  // the highest key left out
+    VisitUnits<1>(u, r, units, no_unit, [&](int64_t q, int slot, float raw) {
+      const uint32_t key = controls::OrderKey(raw);
+      if (key <= unit_bound) return false;
+      if (DistanceBin(x_max, controls::ScaledLogit(raw, inv_t)) < keep) {
+        gather(q, slot, raw);
+      } else {
+        left_out = key > left_out ? key : left_out;
+        if (want_tail) add_written(raw);
+      }
+      return true;
+    });
+    left_out = BlockReduce(left_out, MaxU64{}, m.sh);
+    bound = static_cast<uint32_t>(left_out);
+    count = m.gathered;  // <= room; BlockReduce's barriers order it
+  }
+  if (want_tail) {
+    bad = BlockReduce(bad, MaxU64{}, m.sh);
+    tail = BlockReduce(tail, SumDouble{}, m.sh);
+    written = BlockReduce(written, SumDouble{}, m.sh);
+    if (threadIdx.x == 0) {
+      m.unit_tail = tail;
+      m.unit_written = written;
+    }
+  }
+  if (bad) return false;
+  g->count = count;
+  g->bound = bound;
+  g->x_max = x_max;
+  return true;
+}
+
+// One block per row over the candidates of the chunk kernel (kFromUnits
+// false) or of the fused kernel's units (true). Two blocks share an SM
+// (64 registers, no spills): batches run up to 256 rows.
+template <bool kFromUnits>
+__global__ void __launch_bounds__(kThreads, 2)
+    CandidateMergeKernel(const ControlledSampleParams p, CandidateWorkspace w,
+                         ControlledUnits u) {
   WaitForPreviousKernel();
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   MergeShared& m = *reinterpret_cast<MergeShared*>(dynamic_shared);
   SharedState& sh = m.sh;
   const int r = blockIdx.x;
   const int tid = threadIdx.x;
+  if constexpr (kFromUnits) {
+    // Every row's maxima go back to zero for the fused kernel's next launch,
+    // whatever this row's fate.
+    if (tid == 0) {
+      m.unit_row_bound = u.row_bound[r];
+      m.unit_row_top = u.row_top[r];
+      u.row_bound[r] = 0u;
+      u.row_top[r] = 0u;
+      m.gathered = 0;
+    }
+    __syncthreads();
+  }
   const ControlledRow c = p.row_controls[r];
   const int32_t vocab = static_cast<int32_t>(p.vocab);
   const float* __restrict__ z = p.logits + r * p.logits_row_stride;
@@ -1317,58 +1402,76 @@ __global__ void __launch_bounds__(kThreads)
   }
   const ChunkSummary* summaries =
       w.summaries + static_cast<int64_t>(r) * w.chunks;
-  const int64_t row_slots =
-      static_cast<int64_t>(r) * w.chunks * kChunkCandidates;
+  const float inv_t = RowInverseTemperature(c);
 
-  // The region's bound: the highest boundary of a truncated chunk.
-  unsigned long long bound_plus_one = 0;  // 0: no chunk truncated
-  unsigned long long flags = 0;
-  for (int q = tid; q < w.chunks; q += kThreads) {
-    const ChunkSummary& s = summaries[q];
-    flags |= static_cast<unsigned long long>(s.flags);
-    if (s.flags & kChunkTruncated) {
-      const unsigned long long b =
-          static_cast<unsigned long long>(s.boundary) + 1;
-      bound_plus_one = b > bound_plus_one ? b : bound_plus_one;
+  // The candidates, slot s of `slots`: raw logit and id, id -1 where the
+  // slot holds none (the processed logit is recomputed from the raw one).
+  // On the chunks' path slot s = chunk * kChunkCandidates + k, and
+  // chunk_written[chunk] counts the chunk's written slots; the units' path
+  // packs them.
+  const int room = w.chunks * kChunkCandidates;
+  float* const cand_raw =
+      reinterpret_cast<float*>(dynamic_shared + sizeof(MergeShared));
+  int32_t* const cand_id = reinterpret_cast<int32_t*>(cand_raw + room);
+  int32_t* const chunk_written = cand_id + room;
+  int slots = room;
+  bool outside = false;  // tokens the merge cannot see
+  uint32_t bound_key = 0u;
+  UnitGather gathered{};
+  if constexpr (kFromUnits) {
+    const bool want_tail =
+        !greedy && c.top_p < 1.0f && !(c.top_k > 0 && c.top_k < vocab);
+    if (!GatherUnitCandidates(p, u, c, r, inv_t, want_tail, cand_raw, cand_id,
+                              room, m, &gathered)) {
+      return;
+    }
+    slots = gathered.count;
+    outside = gathered.bound != 0u;
+    bound_key = gathered.bound;
+  } else {
+    // The region's bound: the highest boundary of a truncated chunk.
+    unsigned long long bound_plus_one = 0;  // 0: no chunk truncated
+    unsigned long long flags = 0;
+    for (int q = tid; q < w.chunks; q += kThreads) {
+      const ChunkSummary& s = summaries[q];
+      flags |= static_cast<unsigned long long>(s.flags);
+      if (s.flags & kChunkTruncated) {
+        const unsigned long long b =
+            static_cast<unsigned long long>(s.boundary) + 1;
+        bound_plus_one = b > bound_plus_one ? b : bound_plus_one;
+      }
+    }
+    bound_plus_one = BlockReduce(bound_plus_one, MaxU64{}, sh);
+    flags = BlockReduce(
+        flags, [](unsigned long long a, unsigned long long b) { return a | b; },
+        sh);
+    if (flags & kChunkNonFinite) return;
+    outside = bound_plus_one != 0;
+    bound_key = static_cast<uint32_t>(bound_plus_one - 1);
+    // Each slot's raw logit and id are loaded together, unconditionally
+    // (every slot of the row's workspace exists), so that a thread's loads
+    // are all in flight at once; the chunks' counts say which slots were
+    // written.
+    const int64_t row_slots =
+        static_cast<int64_t>(r) * w.chunks * kChunkCandidates;
+    for (int q = tid; q < w.chunks; q += kThreads)
+      chunk_written[q] = summaries[q].written;
+    __syncthreads();
+#pragma unroll 4
+    for (int s = tid; s < slots; s += kThreads) {
+      const float v = w.raws[row_slots + s];
+      const int32_t id = w.ids[row_slots + s];
+      const bool kept =
+          (s % kChunkCandidates) < chunk_written[s / kChunkCandidates] &&
+          !(outside && controls::OrderKey(v) <= bound_key);
+      cand_raw[s] = v;
+      cand_id[s] = kept ? id : -1;
     }
   }
-  bound_plus_one = BlockReduce(bound_plus_one, MaxU64{}, sh);
-  flags = BlockReduce(
-      flags, [](unsigned long long a, unsigned long long b) { return a | b; },
-      sh);
-  if (flags & kChunkNonFinite) return;
-  const bool outside = bound_plus_one != 0;  // tokens the merge cannot see
-  const uint32_t bound_key = static_cast<uint32_t>(bound_plus_one - 1);
-  const float inv_t = RowInverseTemperature(c);
   // Every unseen token has raw <= raw_bound and x <= x_bound.
   const float raw_bound =
       outside ? controls::KeyValue(bound_key) : controls::kNegInf;
   const float x_bound = controls::ScaledLogit(raw_bound, inv_t);
-
-  // The candidates above the bound, slot s = chunk * kChunkCandidates + k:
-  // raw logit and id, id -1 where the slot holds none (the processed logit
-  // is recomputed from the raw one). Each slot's raw logit and id are loaded
-  // together, unconditionally (every slot of the row's workspace exists), so
-  // that a thread's loads are all in flight at once; the chunks' counts say
-  // which slots were written.
-  const int slots = w.chunks * kChunkCandidates;
-  float* const cand_raw =
-      reinterpret_cast<float*>(dynamic_shared + sizeof(MergeShared));
-  int32_t* const cand_id = reinterpret_cast<int32_t*>(cand_raw + slots);
-  int32_t* const chunk_written = cand_id + slots;
-  for (int q = tid; q < w.chunks; q += kThreads)
-    chunk_written[q] = summaries[q].written;
-  __syncthreads();
-#pragma unroll 4
-  for (int s = tid; s < slots; s += kThreads) {
-    const float v = w.raws[row_slots + s];
-    const int32_t id = w.ids[row_slots + s];
-    const bool kept =
-        (s % kChunkCandidates) < chunk_written[s / kChunkCandidates] &&
-        !(outside && controls::OrderKey(v) <= bound_key);
-    cand_raw[s] = v;
-    cand_id[s] = kept ? id : -1;
-  }
   const uint32_t* bitmask =
       c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
   for (int64_t k = tid; k < entries; k += kThreads) {
@@ -1410,18 +1513,23 @@ __global__ void __launch_bounds__(kThreads)
       f(m.entry_x[k], m.entry_raw[k], m.entry_id[k]);
   };
 
-  // x_max, and no NaN or +inf (the full passes report those).
-  float local_max = controls::kNegInf;
-  unsigned long long bad = 0;
-  for_each([&](float x, float, int32_t) {
-    if (controls::IsNan(x) || x == controls::kPosInf) {
-      bad = 1;
-    } else if (x > local_max) {
-      local_max = x;
-    }
-  });
-  const float x_max = BlockReduce(local_max, MaxFloat{}, sh);
-  bad = BlockReduce(bad, MaxU64{}, sh);
+  // x_max, and no NaN or +inf (the full passes report those). The units
+  // know theirs: the scaled highest key, every candidate finite (x = l / T,
+  // T > 0, is NaN nowhere and +inf at most at the maximum).
+  float x_max = gathered.x_max;
+  unsigned long long bad = x_max == controls::kPosInf;
+  if constexpr (!kFromUnits) {
+    float local_max = controls::kNegInf;
+    for_each([&](float x, float, int32_t) {
+      if (controls::IsNan(x) || x == controls::kPosInf) {
+        bad = 1;
+      } else if (x > local_max) {
+        local_max = x;
+      }
+    });
+    x_max = BlockReduce(local_max, MaxFloat{}, sh);
+    bad = BlockReduce(bad, MaxU64{}, sh);
+  }
   // The row's max must be seen: strictly above every unseen token.
   if (bad || x_max == controls::kNegInf || !(x_max > x_bound)) return;
 
@@ -1463,9 +1571,14 @@ __global__ void __launch_bounds__(kThreads)
     U128 unseen = 0;
     U128 unseen_lower = 0;
     if (use_top_p && !use_top_k && !closed) {
-      const UnseenMass bounds =
-          UnseenMassBounds(w, summaries, cand_raw, chunk_written, bound_key,
-                           floor, x_max, inv_t, vocab, sh);
+      UnseenMass bounds;
+      if constexpr (kFromUnits) {
+        bounds =
+            UnseenMassFromApprox(m.unit_tail, m.unit_written, floor, vocab);
+      } else {
+        bounds = UnseenMassBounds(w, summaries, cand_raw, chunk_written,
+                                  bound_key, floor, x_max, inv_t, vocab, sh);
+      }
       unseen = bounds.upper;
       unseen_lower = bounds.lower;
     }
@@ -1898,16 +2011,19 @@ cudaError_t PrepareLaunch(const ControlledSampleParams& params, void* workspace,
                    &launch->shared_bytes);
 }
 
+template <bool kFromUnits>
 cudaError_t LaunchMerge(const ControlledSampleParams& params,
                         const CandidateWorkspace& candidates,
-                        size_t shared_bytes, cudaStream_t stream) {
-  const cudaError_t error = cudaFuncSetAttribute(
-      CandidateMergeKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(shared_bytes));
+                        const ControlledUnits& units, size_t shared_bytes,
+                        cudaStream_t stream) {
+  const cudaError_t error =
+      cudaFuncSetAttribute(CandidateMergeKernel<kFromUnits>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(shared_bytes));
   if (error != cudaSuccess) return error;
-  return LaunchAfterPrevious(CandidateMergeKernel,
+  return LaunchAfterPrevious(CandidateMergeKernel<kFromUnits>,
                              static_cast<unsigned>(params.rows), shared_bytes,
-                             stream, params, candidates);
+                             stream, params, candidates, units);
 }
 
 }  // namespace
@@ -1935,7 +2051,8 @@ cudaError_t LaunchControlledSample(const ControlledSampleParams& params,
                            kChunkThreads, 0, stream>>>(params, candidates);
     error = cudaGetLastError();
     if (error != cudaSuccess) return error;
-    error = LaunchMerge(params, candidates, launch.shared_bytes, stream);
+    error = LaunchMerge<false>(params, candidates, ControlledUnits{},
+                               launch.shared_bytes, stream);
     if (error != cudaSuccess) return error;
     return LaunchAfterPrevious(ControlledSampleKernel,
                                static_cast<unsigned>(params.rows), 0, stream,
@@ -1968,23 +2085,15 @@ cudaError_t LaunchControlledSampleFromUnits(
   if (params.rows < 0) return cudaErrorInvalidValue;
   if (params.rows == 0) return cudaSuccess;
   CandidateLaunch launch;
-  cudaError_t error =
+  const cudaError_t error =
       PrepareLaunch(params, workspace, workspace_bytes,
-                    params.certified != nullptr && units.raws != nullptr &&
-                        units.slots != nullptr && units.summaries != nullptr &&
-                        units.row_stride >= params.rows,
+                    params.certified != nullptr && units.records != nullptr &&
+                        units.row_bound != nullptr && units.row_top != nullptr,
                     &launch);
   if (error != cudaSuccess) return error;
   if (!launch.fits) return cudaErrorNotSupported;
-  const CandidateWorkspace& candidates = launch.candidates;
-  const unsigned chunk_blocks = static_cast<unsigned>(
-      (candidates.chunks + kUnitChunkWarps - 1) / kUnitChunkWarps);
-  UnitChunkKernel<<<dim3(chunk_blocks, static_cast<unsigned>(params.rows)),
-                    kUnitChunkWarps * 32, 0, stream>>>(params, units,
-                                                       candidates);
-  error = cudaGetLastError();
-  if (error != cudaSuccess) return error;
-  return LaunchMerge(params, candidates, launch.shared_bytes, stream);
+  return LaunchMerge<true>(params, launch.candidates, units,
+                           launch.shared_bytes, stream);
 }
 
 cudaError_t LaunchControlledFixedMassProbe(const float* x, int64_t count,

@@ -44,23 +44,24 @@ cudaError_t ControlledCandidatePathFits(int64_t vocab, bool* fits);
 // The fused kernel's unit candidates of the same rows
 // (FusedSampleParams::unit_candidates, one GPU: the shard is all of V).
 struct ControlledUnits {
-  const float* raws = nullptr;
-  const uint8_t* slots = nullptr;
-  const UnitSummary* summaries = nullptr;
-  int64_t row_stride = 0;  // >= rows
+  const UnitRecord* records = nullptr;  // [rows][UnitsPerRow(vocab)]
+  // The fused kernel's per-row maxima (UnitCandidates::row_bound, row_top):
+  // read, and set back to zero for its next launch.
+  uint32_t* row_bound = nullptr;
+  uint32_t* row_top = nullptr;
   // The 1 / T the kernel summed each row's tail mass at (its
   // UnitCandidates::tail_inv_temperature): a top_p row whose value differs
   // from the row's own is not certified.
   const float* tail_inv_temperature = nullptr;
 };
 
-// The candidate path without the logits: each 2048-token chunk's summary
-// from its 64 units, then the merge kernel; params.logits is not read. A
-// row the merge certifies gets its tokens, outputs, status kControlledOk and
-// certified = 1; every other row gets certified = 0 and nothing else, and
-// the caller samples it with LaunchControlledSample over its logits. A row
-// with a bitmask, per-token entries (bias, bans, penalized ids) or logprobs
-// is never certified here: its chunks need every logit. Returns
+// The candidate path without the logits: the merge kernel over the units'
+// candidates above the row's highest unit bound; params.logits is not read.
+// A row the merge certifies gets its tokens, outputs, status kControlledOk
+// and certified = 1; every other row gets certified = 0 and nothing else,
+// and the caller samples it with LaunchControlledSample over its logits. A
+// row with a bitmask, per-token entries (bias, bans, penalized ids) or
+// logprobs is never certified here: it needs every logit. Returns
 // cudaErrorNotSupported where the candidate path cannot run (V > 262144, or
 // a device without the merge kernel's shared memory),
 // cudaErrorInvalidValue for bad arguments (as LaunchControlledSample;

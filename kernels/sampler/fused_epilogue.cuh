@@ -1006,12 +1006,13 @@ __device__ __forceinline__ float UnitKeyValue(uint32_t key) {
 // its order key with the low 5 bits replaced by its slot, so that the keys
 // are distinct and carry their slots: each lane keeps the top 5 of its 16
 // (a non-finite logit, or a row past the shard's end, keys 0), the pair
-// merges the two lists, and lane 2c writes the unit: the logits of the top
-// 4 whose key, slot bits aside, is above the 5th's, and that 5th's key with
-// its low 5 bits set as the bound (every logit left out is at or below it).
-// A record per (unit, row), rows contiguous: the 16 columns of a warp's
-// quad are 16 consecutive rows, so each store instruction writes whole
-// sectors. All 32 lanes call it.
+// merges the two lists, and the pair writes the unit's record: the logits
+// of the top 4 whose key, slot bits aside, is above the 5th's, and that
+// 5th's key with its low 5 bits set as the bound (every logit left out is
+// at or below it). A record per (row, unit), each one sector written whole
+// by its lane pair, so that the merge kernel reads a row's records as one
+// contiguous run. The row's highest bound and highest key are atomic maxima
+// (one each per record). All 32 lanes call it.
 __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
                                                      int64_t row0, int col0,
                                                      int batch_base,
@@ -1089,25 +1090,42 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
     }
   }
   tail = __fadd_rn(tail, __shfl_xor_sync(kAll, tail, 1));
-  if (b >= args.batch || half != 0) return;
+  if (b >= args.batch) return;  // both lanes of the pair
+  const UnitCandidates& out = args.unit_candidates;
   const int64_t unit = row0 / 128 * kUnitsPerTile + row0 % 128 / 16;
-  const int64_t at = unit * args.unit_candidates.row_stride + b;
-  float raws[kUnitCandidates];
-  uint32_t slots = 0u;
+  const int64_t at = b * UnitsPerRow(args.vocab_rows) + unit;
+  const uint32_t record_bound = non_finite ? kUnitNonFinite : bound;
+  // Lane 2c writes the record's first 16 bytes (the raws), lane 2c + 1 the
+  // other 16: one store instruction writes the warp's 16 records, each a
+  // whole sector.
+  uint4 part;
+  if (half == 0) {
+    float raws[kUnitCandidates];
 #pragma unroll
-  for (int j = 0; j < kUnitCandidates; ++j) {
-    const bool written = top[j] != 0u && (top[j] & ~kSlotBits) > cut;
-    const uint32_t slot = top[j] & kSlotBits;
-    raws[j] = written ? column_values[slot] : 0.0f;
-    slots |= (written ? slot : static_cast<uint32_t>(kUnitNoSlot)) << (8 * j);
+    for (int j = 0; j < kUnitCandidates; ++j) {
+      const bool written = top[j] != 0u && (top[j] & ~kSlotBits) > cut;
+      raws[j] = written ? column_values[top[j] & kSlotBits] : 0.0f;
+    }
+    part = make_uint4(__float_as_uint(raws[0]), __float_as_uint(raws[1]),
+                      __float_as_uint(raws[2]), __float_as_uint(raws[3]));
+  } else {
+    uint32_t slots = 0u;
+#pragma unroll
+    for (int j = 0; j < kUnitCandidates; ++j) {
+      const bool written = top[j] != 0u && (top[j] & ~kSlotBits) > cut;
+      const uint32_t slot = top[j] & kSlotBits;
+      slots |= (written ? slot : static_cast<uint32_t>(kUnitNoSlot)) << (8 * j);
+    }
+    part = make_uint4(slots, record_bound, __float_as_uint(tail), 0u);
   }
-  reinterpret_cast<float4*>(args.unit_candidates.raws)[at] =
-      make_float4(raws[0], raws[1], raws[2], raws[3]);
-  reinterpret_cast<uint32_t*>(args.unit_candidates.slots)[at] = slots;
-  UnitSummary summary;
-  summary.bound = non_finite ? kUnitNonFinite : bound;
-  summary.tail = tail;
-  args.unit_candidates.summaries[at] = summary;
+  reinterpret_cast<uint4*>(out.records + at)[half] = part;
+  if (half == 0) {
+    atomicMax(out.row_bound + b, record_bound);
+    if (top[0] != 0u) {
+      atomicMax(out.row_top + b,
+                UnitOrderKey(column_values[top[0] & kSlotBits]));
+    }
+  }
 }
 
 template <typename Shared>
@@ -1120,7 +1138,7 @@ __device__ __forceinline__ void ScoreStagedQuad(
   if (store_logits && args.logits_out != nullptr) {
     StoreStagedQuadLogits(staging, row0, col0, batch_base, args);
   }
-  if (store_logits && args.unit_candidates.raws != nullptr) {
+  if (store_logits && args.unit_candidates.records != nullptr) {
     StoreStagedQuadUnits(staging, row0, col0, batch_base, args);
   }
   const StagedLogits lane_logits{staging + column * kQuadStagingStride +

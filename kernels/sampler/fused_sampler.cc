@@ -350,16 +350,15 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
     return cudaErrorInvalidValue;
   }
   const UnitCandidates& units = params.unit_candidates;
-  if (units.raws != nullptr &&
-      (units.slots == nullptr || units.summaries == nullptr ||
-       units.row_stride < params.batch || !Aligned16(units.raws) ||
-       (reinterpret_cast<uintptr_t>(units.slots) & 3u) != 0)) {
+  if (units.records != nullptr &&
+      (units.row_bound == nullptr || units.row_top == nullptr ||
+       (reinterpret_cast<uintptr_t>(units.records) & 31u) != 0)) {
     return cudaErrorInvalidValue;
   }
   const FusedTuning& tuning = params.tuning;
   const FusedKernel path = FusedSampleResolveKernel(tuning.kernel);
   // The units are the wgmma epilogue's warps' rows.
-  if (units.raws != nullptr && path != FusedKernel::kWgmma) {
+  if (units.records != nullptr && path != FusedKernel::kWgmma) {
     return cudaErrorNotSupported;
   }
   const int block_n =

@@ -120,8 +120,8 @@ struct FusedSampleParams {
   // Optional, wgmma path only (cudaErrorNotSupported on the other): each
   // row's highest logits of every 32-token unit with a bound on the rest
   // (unit_candidates.h), the controlled sampler's candidate path without
-  // the logits: 0.875 bytes a token written instead of logits_out's 4.
-  // Off while unit_candidates.raws is null.
+  // the logits: 1 byte a token written instead of logits_out's 4.
+  // Off while unit_candidates.records is null.
   UnitCandidates unit_candidates;
   // Schedule knobs of the benchmark and the tests; production: defaults.
   FusedTuning tuning;

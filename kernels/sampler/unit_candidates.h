@@ -1,8 +1,8 @@
 // The fused kernel's unit candidates: for each row, the highest logits of
 // every 32-token unit of the vocabulary with a bound on the rest, written by
 // the stage-1 epilogue instead of the [B, V] fp32 logits, and read by the
-// controlled sampler's candidate path (kernels/controls/). Plain data, free
-// of CUDA headers.
+// controlled sampler's merge kernel (kernels/controls/). Plain data, free of
+// CUDA headers.
 //
 // Unit u of a shard holds shard rows 128 (u / 4) + 16 (u % 4) + {0..15} and
 // the same + 64: the 32 rows one epilogue warp of the wgmma kernel holds of
@@ -10,7 +10,10 @@
 // whose order keys, the low 5 bits aside, are above its 5th highest's (at
 // most kUnitCandidates; a unit of at most four finite logits writes them
 // all), that 5th highest key with its low 5 bits set as the bound on the
-// rest, and, where asked, the rest's mass below the bound.
+// rest, and, where asked, the rest's mass below the bound. Each row also
+// gets the highest bound and the highest key over all its units, so that
+// the merge kernel knows, before it reads a unit, which candidates are
+// above every unit's bound.
 #ifndef FLASHSAMPLER_KERNELS_SAMPLER_UNIT_CANDIDATES_H_
 #define FLASHSAMPLER_KERNELS_SAMPLER_UNIT_CANDIDATES_H_
 
@@ -25,32 +28,40 @@ constexpr int kUnitsPerTile = 4;  // of the kernel's 128-row tiles
 constexpr int kUnitCandidates = 4;
 // UnitCandidates::slots value of an unused slot.
 constexpr uint8_t kUnitNoSlot = 0xff;
-// UnitSummary::bound of a unit with a logit that is not finite.
+// UnitRecord::bound of a unit with a logit that is not finite.
 constexpr uint32_t kUnitNonFinite = 0xffffffffu;
 
-// bound: an order key (the float's bits made monotone, +0 for -0) at or
-// above every logit left out, 0 when none was; kUnitNonFinite when a logit
-// is NaN or infinite (non-finite logits are never candidates). tail: the sum
-// over the left-out logits l of exp(l / T - b / T), b the bound's value, in
-// fp32, for rows whose UnitCandidates::tail_inv_temperature is positive;
-// negative for the others.
-struct UnitSummary {
+// One (row, unit) record: 32 bytes, one sector, so that the epilogue's lane
+// pairs write whole sectors and the merge kernel reads a row's records as
+// one contiguous run.
+//
+// raws: the candidates' raw logits (0 in an unused slot). slots: byte k is
+// candidate k's unit-local index 0..31, or kUnitNoSlot. bound: an order key
+// (the float's bits made monotone, +0 for -0) at or above every logit left
+// out, 0 when none was; kUnitNonFinite when a logit is NaN or infinite
+// (non-finite logits are never candidates). tail: the sum over the left-out
+// logits l of exp(l / T - b / T), b the bound's value, in fp32, for rows
+// whose UnitCandidates::tail_inv_temperature is positive; negative for the
+// others.
+struct alignas(32) UnitRecord {
+  float raws[kUnitCandidates];
+  uint32_t slots;
   uint32_t bound;
   float tail;
+  uint32_t unused;
 };
+static_assert(sizeof(UnitRecord) == 32, "a record is one 32-byte sector");
 
-// Device arrays of one launch, unit-major: record (unit u, row b) at
-// u * row_stride + b, units = 4 x the shard's 128-row tiles, so that the
-// kernel's stores of consecutive rows are contiguous.
+// Device arrays of one launch. Records are row-major: (row b, unit u) at
+// b * UnitsPerRow(shard rows) + u.
 struct UnitCandidates {
-  // [units][row_stride][kUnitCandidates] the candidates' raw logits (0 in
-  // an unused slot), 16-byte aligned.
-  float* raws = nullptr;
-  // [units][row_stride][kUnitCandidates] unit-local index 0..31, or
-  // kUnitNoSlot; 4-byte aligned.
-  uint8_t* slots = nullptr;
-  UnitSummary* summaries = nullptr;  // [units][row_stride]
-  int64_t row_stride = 0;            // >= the launch's batch
+  UnitRecord* records = nullptr;  // [batch][units], 32-byte aligned
+  // [batch] each row's highest unit bound and highest candidate key (the
+  // row's largest finite logit's order key), atomic maxima: zero before
+  // the launch. The controlled sampler's merge kernel reads them and sets
+  // them back to zero.
+  uint32_t* row_bound = nullptr;
+  uint32_t* row_top = nullptr;
   // [batch] 1 / T of each row whose tail mass is wanted, 0 (or a null
   // array) for none.
   const float* tail_inv_temperature = nullptr;

@@ -16,10 +16,9 @@
 // batch's other rows keep stage 1's tokens. It costs 4 * V bytes written
 // per row plus the controlled kernel's passes over them (at V = 151936:
 // 0.6 MB written, a few MB read per row) where the fused path writes none.
-// On one GPU with the wgmma kernel, a batch of 16 to 128 rows (256 where
-// D >= 8192) whose controlled rows use temperature, top_k, top_p, min_p and
-// n alone writes
-// only each 32-token unit's highest logits instead
+// On one GPU with the wgmma kernel, a batch whose controlled rows use
+// temperature, top_k, top_p, min_p and n alone writes only each 32-token
+// unit's highest logits instead
 // (FusedSampleParams::unit_candidates), and the controlled sampler's
 // candidate path samples from them; a batch with a row it cannot certify
 // then takes the materialized path above.
@@ -70,18 +69,12 @@ constexpr int64_t kShardGranularity = 128;
 // used.
 constexpr int kHiddenPadRows = 128;
 
-// Batch sizes served from unit candidates: from 16 to 128 rows the units'
-// path is 10-40 us faster than the logits' on an H100 (qwen, top_k + top_p
-// + min_p: 454 against 465 us at 16 rows, 519 against 559 at 128); a
-// single row is 5 us slower (451 against 446), 256 rows 74 us slower (816
-// against 742), where the selection in the kernel's epilogue no longer
-// hides behind its loads. With rows of W twice as long (D = 8192, llama)
-// it still hides: 256 rows 1017-1018 against 1068-1089 us over two calls
-// (docs/performance.md#sampling-controls).
-constexpr int kUnitCandidatesMinRows = 16;
-constexpr int kUnitCandidatesMaxRows = 128;
-constexpr int kUnitCandidatesMaxRowsLongW = 256;
-constexpr int64_t kUnitCandidatesLongW = 8192;  // D from which it applies
+// Every batch size whose controlled rows allow it is served from unit
+// candidates: on an H100 the units' path is the faster one from 1 to 256
+// rows (qwen, top_k + top_p + min_p: 444 against 448 us at one row, 449
+// against 464 at 16, 485 against 556 at 128, 708 against 720 at 256; top_p
+// 0.9 at 256 rows 659 against 717; llama at 256 rows 949 against 1072;
+// docs/performance.md#sampling-controls).
 // After a batch the units could not certify (it paid stage 1 twice), the
 // next this many controlled batches materialize their logits at once: a
 // workload of rows the units cannot certify (flat rows at top_p 0.99) pays
@@ -189,12 +182,12 @@ struct Slot {
 
   // The materialized path, all on rank 0 (sizes in CudaEngine::Init).
   float* logits = nullptr;  // [max_batch_rows, V] fp32
-  // One GPU: the fused kernel's unit candidates (unit_candidates.h), each
-  // [UnitsPerRow(V), max_batch_rows] (x kUnitCandidates); null where the
-  // engine does not take that path.
-  float* unit_raws = nullptr;
-  uint8_t* unit_slots = nullptr;
-  UnitSummary* unit_summaries = nullptr;
+  // One GPU: the fused kernel's unit candidates (unit_candidates.h),
+  // [max_batch_rows, UnitsPerRow(V)] records, and the rows' maxima,
+  // [2][max_batch_rows] (bound, then top; zero between batches: the merge
+  // kernel resets them); null where the engine does not take that path.
+  UnitRecord* unit_records = nullptr;
+  uint32_t* unit_row_maxima = nullptr;
   void* controlled_workspace = nullptr;  // the controlled sampler's x = l / T
   void* host_plan = nullptr;             // pinned, kControlledPlanBudgetBytes
   void* device_plan = nullptr;           // kControlledPlanBudgetBytes
@@ -300,8 +293,7 @@ class CudaEngine final : public Engine {
                                  int max_samples, int max_top_n,
                                  std::vector<RowResult>* results);
   // A batch with controlled rows (by_controls[i]): stage 1 (unit
-  // candidates where every controlled row allows them and the batch size
-  // is in their range, kUnitCandidatesMinRows and up; else logits), the
+  // candidates where every controlled row allows them, else logits), the
   // controlled sampler, and the materialized path again where the units
   // left a row uncertified; the other valid rows keep stage 1's
   // stage1_samples tokens.
@@ -566,7 +558,7 @@ absl::Status CudaEngine::Init() {
       MakeControlledOutputLayout(options_.max_batch_rows, kCudaMaxSamples,
                                  kCudaMaxTopLogprobs)
           .total;
-  // Unit candidates: 28 bytes per unit of 32 tokens (34 MB per slot at
+  // Unit candidates: 32 bytes per unit of 32 tokens (39 MB per slot at
   // V = 151936 and 256 rows).
   bool candidate_path = false;
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
@@ -630,16 +622,17 @@ absl::Status CudaEngine::Init() {
                                     controlled_workspace_bytes_,
                                     "cudaMalloc(controlled workspace)"));
     if (units_path_) {
+      FS_RETURN_IF_ERROR(DeviceMalloc(
+          0, reinterpret_cast<void**>(&slot.unit_records),
+          sizeof(UnitRecord) * batch_units, "cudaMalloc(unit candidates)"));
+      const size_t maxima_bytes =
+          2 * sizeof(uint32_t) * static_cast<size_t>(options_.max_batch_rows);
       FS_RETURN_IF_ERROR(
-          DeviceMalloc(0, reinterpret_cast<void**>(&slot.unit_raws),
-                       sizeof(float) * kUnitCandidates * batch_units,
-                       "cudaMalloc(unit candidates)"));
-      FS_RETURN_IF_ERROR(DeviceMalloc(
-          0, reinterpret_cast<void**>(&slot.unit_slots),
-          kUnitCandidates * batch_units, "cudaMalloc(unit slots)"));
-      FS_RETURN_IF_ERROR(DeviceMalloc(
-          0, reinterpret_cast<void**>(&slot.unit_summaries),
-          sizeof(UnitSummary) * batch_units, "cudaMalloc(unit summaries)"));
+          DeviceMalloc(0, reinterpret_cast<void**>(&slot.unit_row_maxima),
+                       maxima_bytes, "cudaMalloc(unit row maxima)"));
+      FS_RETURN_IF_ERROR(
+          Check(cudaMemset(slot.unit_row_maxima, 0, maxima_bytes),
+                "cudaMemset(unit row maxima)"));
     }
     FS_RETURN_IF_ERROR(
         Check(cudaMallocHost(&slot.host_plan, kControlledPlanBudgetBytes),
@@ -784,13 +777,14 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
     params.steps =
         reinterpret_cast<const uint64_t*>(input + steps_offset()) + first_row;
     if (output == Stage1Output::kUnits) {
-      // Unit-major records, [units][max_batch_rows], at the chunk's first
-      // row.
+      // Row-major records, [max_batch_rows][units], and the rows' maxima
+      // from the chunk's first row.
       const size_t at = static_cast<size_t>(first_row);
-      params.unit_candidates.raws = slot.unit_raws + kUnitCandidates * at;
-      params.unit_candidates.slots = slot.unit_slots + kUnitCandidates * at;
-      params.unit_candidates.summaries = slot.unit_summaries + at;
-      params.unit_candidates.row_stride = options_.max_batch_rows;
+      params.unit_candidates.records =
+          slot.unit_records + at * UnitsPerRow(info_.vocab_size);
+      params.unit_candidates.row_bound = slot.unit_row_maxima + at;
+      params.unit_candidates.row_top =
+          slot.unit_row_maxima + options_.max_batch_rows + at;
       params.unit_candidates.tail_inv_temperature =
           reinterpret_cast<const float*>(input +
                                          tail_inv_temperature_offset()) +
@@ -1022,10 +1016,9 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
     if (from_units) {
       const size_t at = static_cast<size_t>(first);
       ControlledUnits units;
-      units.raws = slot.unit_raws + kUnitCandidates * at;
-      units.slots = slot.unit_slots + kUnitCandidates * at;
-      units.summaries = slot.unit_summaries + at;
-      units.row_stride = options_.max_batch_rows;
+      units.records = slot.unit_records + at * UnitsPerRow(vocab);
+      units.row_bound = slot.unit_row_maxima + at;
+      units.row_top = slot.unit_row_maxima + options_.max_batch_rows + at;
       units.tail_inv_temperature =
           reinterpret_cast<const float*>(
               static_cast<const char*>(root.device_input) +
@@ -1298,12 +1291,7 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
                                           bool units_serve, int stage1_samples,
                                           int num_samples, int max_top_n,
                                           std::vector<RowResult>* results) {
-  const int max_unit_rows = info_.hidden_size >= kUnitCandidatesLongW
-                                ? kUnitCandidatesMaxRowsLongW
-                                : kUnitCandidatesMaxRows;
-  bool from_units = units_path_ && units_serve &&
-                    batch.rows >= kUnitCandidatesMinRows &&
-                    batch.rows <= max_unit_rows;
+  bool from_units = units_path_ && units_serve;
   if (from_units && unit_pause_batches_.load(std::memory_order_relaxed) > 0) {
     unit_pause_batches_.fetch_sub(1, std::memory_order_relaxed);
     from_units = false;
@@ -1405,6 +1393,8 @@ void CudaEngine::Release() {
       }
       if (slot.device_tokens != nullptr) cudaFree(slot.device_tokens);
       if (slot.logits != nullptr) cudaFree(slot.logits);
+      if (slot.unit_records != nullptr) cudaFree(slot.unit_records);
+      if (slot.unit_row_maxima != nullptr) cudaFree(slot.unit_row_maxima);
       if (slot.controlled_workspace != nullptr) {
         cudaFree(slot.controlled_workspace);
       }

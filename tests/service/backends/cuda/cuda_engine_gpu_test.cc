@@ -390,23 +390,21 @@ TEST_F(CudaEngineGpuTest, CpuAndGpuAgreeOnRandomRows) {
 // candidates from the fused kernel's units (CudaEngineOptions::
 // unit_candidates): the same tokens as from materialized logits, row for
 // row (both are exact over the same fp32 logits), at a vocabulary with a
-// partial last tile, at qwen's, and at 160 rows where D = 8192 (a batch
-// over 128 rows takes the units only there); the units certify at least
-// 90% of the
-// peaked rows the logits' chunks do; flat rows at top_p 0.99, which
-// neither certifies, come back from the materialized path, labelled, and
-// pause the units for the next batches; plain rows riding along keep stage
-// 1's tokens.
+// partial last tile, at qwen's, at 160 rows (a 128-row tile and a partial
+// one) with D = 8192 and 256, and at 9 rows; the units certify at least
+// 90% of the peaked rows the logits' chunks do; flat rows at top_p 0.99,
+// which neither certifies, come back from the materialized path, labelled,
+// and pause the units for the next batches; plain rows riding along keep
+// stage 1's tokens.
 TEST_F(CudaEngineGpuTest, UnitCandidatesGiveTheTokensOfMaterializedLogits) {
   struct Shape {
     int64_t vocab;
     int hidden;
     int batch;
-    bool units;  // the engine takes the units at this batch size
   };
   for (const Shape& shape :
-       {Shape{32771, 256, 64, true}, Shape{151936, 256, 64, true},
-        Shape{4099, 8192, 160, true}, Shape{4099, 256, 160, false}}) {
+       {Shape{32771, 256, 64}, Shape{151936, 256, 64}, Shape{4099, 8192, 160},
+        Shape{4099, 256, 160}, Shape{32771, 256, 9}}) {
     const int64_t vocab = shape.vocab;
     const int hidden_size = shape.hidden;
     const int rows = shape.batch;
@@ -482,8 +480,7 @@ TEST_F(CudaEngineGpuTest, UnitCandidatesGiveTheTokensOfMaterializedLogits) {
       StageHidden(**units, 0, hidden);
       ASSERT_TRUE(
           (*units)->Sample(BatchView{0, rows, specs.data()}, &from_units).ok());
-      EXPECT_EQ(batches->load() - batches_before,
-                shape.units && round <= kFlatRound ? 1 : 0)
+      EXPECT_EQ(batches->load() - batches_before, round <= kFlatRound ? 1 : 0)
           << where << ", round " << round;
       std::vector<RowResult> from_logits;
       StageHidden(**logits, 0, hidden);
@@ -521,7 +518,6 @@ TEST_F(CudaEngineGpuTest, UnitCandidatesGiveTheTokensOfMaterializedLogits) {
           "from logits\n",
           where.c_str(), kind, served[kind], rows_of[kind], certified[kind]);
     }
-    if (!shape.units) continue;  // the logits' path on both engines
     EXPECT_EQ(flat_fallbacks, flat_rows) << where;
     // The units certify about as many controlled rows as the logits' chunks.
     int served_rows = 0;
