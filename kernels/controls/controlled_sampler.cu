@@ -548,7 +548,9 @@ __global__ void __launch_bounds__(kThreads)
 // passes would decide the same: cuts strictly above the region's bound, and
 // top-p targets that give one cut for every total mass the unseen tokens
 // allow. A row it cannot certify leaves `done` unset and the full passes
-// sample it.
+// sample it. Without the logits (LaunchControlledSampleFromUnits) the merge
+// kernel alone runs, over the fused kernel's unit candidates
+// (GatherUnitCandidates), and a row it cannot certify is the caller's.
 
 constexpr int kChunkTokens = 2048;
 constexpr int kChunkThreads = 128;
