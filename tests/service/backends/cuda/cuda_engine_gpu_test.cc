@@ -443,7 +443,9 @@ TEST_F(CudaEngineGpuTest, UnitCandidatesGiveTheTokensOfMaterializedLogits) {
     params[3].n = 3;
     params[4].temperature = 0.0f;
     params[4].top_k = 5;
+    params[5].temperature = 0.7f;  // tails summed at T != 1
     params[5].top_p = 0.95f;
+    params[5].min_p = 0.02f;
     params[5].n = 2;
     params[6].temperature = 1.0f;  // plain, riding along
     params[7].top_p = 0.99f;       // on flat rows
