@@ -1565,6 +1565,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         mass_lo += mass & 0xffffffffu;
       }
     });
+    __syncthreads();  // every bin complete before warp 0 scans them
     const U128 member_mass =
         use_top_p && !use_top_k ? BlockMassSum(mass_hi, mass_lo, sh) : 0;
     // The bins to sort: through the k-th member for top_k, else through the

@@ -71,9 +71,9 @@ constexpr int kHiddenPadRows = 128;
 
 // Every batch size whose controlled rows allow it is served from unit
 // candidates: on an H100 the units' path is the faster one from 1 to 256
-// rows (qwen, top_k + top_p + min_p: 444 against 448 us at one row, 449
-// against 464 at 16, 485 against 556 at 128, 708 against 720 at 256; top_p
-// 0.9 at 256 rows 659 against 717; llama at 256 rows 949 against 1072;
+// rows (qwen, top_k + top_p + min_p: 445 against 448 us at one row, 449
+// against 465 at 16, 485 against 556 at 128, 712 against 725 at 256; top_p
+// 0.9 at 256 rows 717 against 739; llama at 256 rows 944 against 1075;
 // docs/performance.md#sampling-controls).
 // After a batch the units could not certify (it paid stage 1 twice), the
 // next this many controlled batches materialize their logits at once: a
