@@ -1158,6 +1158,44 @@ __device__ void SortDescending(unsigned long long* keys, int n) {
   }
 }
 
+// Warp 0's scan of the distance bins, lane l summing bins 8l .. 8l + 7:
+// the first bin at which the running weight(b) reaches `target`, or -1
+// where the bins' total falls short; every lane gets it. Every lane of
+// warp 0 calls it.
+template <typename Weight>
+__device__ int FirstBinReaching(Weight weight, U128 target) {
+  constexpr unsigned kAll = 0xffffffffu;
+  constexpr int kBinsPerLane = kDistanceBins / 32;
+  const int lane = threadIdx.x & 31;
+  U128 sum = 0;
+  for (int b = 0; b < kBinsPerLane; ++b) sum += weight(kBinsPerLane * lane + b);
+  U128 inclusive = sum;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const unsigned long long hi = __shfl_up_sync(
+        kAll, static_cast<unsigned long long>(inclusive >> 64), offset);
+    const unsigned long long lo = __shfl_up_sync(
+        kAll, static_cast<unsigned long long>(inclusive), offset);
+    if (lane >= offset)
+      inclusive += (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
+  }
+  const unsigned owners = __ballot_sync(kAll, inclusive >= target);
+  if (owners == 0u) return -1;
+  const int owner = __ffs(owners) - 1;
+  int reached = kBinsPerLane * lane + kBinsPerLane - 1;
+  if (lane == owner) {
+    U128 cum = inclusive - sum;
+    for (int b = 0; b < kBinsPerLane; ++b) {
+      cum += weight(kBinsPerLane * lane + b);
+      if (cum >= target) {
+        reached = kBinsPerLane * lane + b;
+        break;
+      }
+    }
+  }
+  return __shfl_sync(kAll, reached, owner);
+}
+
 // What GatherUnitCandidates hands the merge kernel besides the candidates
 // and, in m.unit_tail and m.unit_written for top-p rows that top_k does not
 // bound, the mass relative to x_max of the tokens the units left out and of
@@ -1291,30 +1329,12 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
     });
     __syncthreads();
     if (threadIdx.x < 32) {
-      // The first bin whose running count passes `room`: the bins before
-      // it are kept. Lane l sums bins 8l .. 8l + 7.
-      constexpr int kBinsPerLane = kDistanceBins / 32;
-      const int lane = threadIdx.x;
-      int sum = 0;
-      for (int b = 0; b < kBinsPerLane; ++b)
-        sum += static_cast<int>(m.bin_count[kBinsPerLane * lane + b]);
-      int inclusive = sum;
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
-        if (lane >= offset) inclusive += up;
-      }
-      const unsigned over = __ballot_sync(0xffffffffu, inclusive > room);
-      if (lane == __ffs(over) - 1) {  // `over` is not empty: count > room
-        int running = inclusive - sum;
-        int keep = kBinsPerLane * lane + kBinsPerLane - 1;
-        for (int b = 0; b < kBinsPerLane; ++b) {
-          running += static_cast<int>(m.bin_count[kBinsPerLane * lane + b]);
-          if (running > room) {
-            keep = kBinsPerLane * lane + b;
-            break;
-          }
-        }
+      // The first bin whose running count passes `room` (there is one:
+      // count > room); the bins before it are kept.
+      const int keep = FirstBinReaching(
+          [&](int b) { return static_cast<U128>(m.bin_count[b]); },
+          static_cast<U128>(room) + 1);
+      if (threadIdx.x == 0) {
         m.select_bin = keep;
         m.gathered = 0;
       }
@@ -1586,10 +1606,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       unseen_lower = bounds.lower;
     }
     if (tid < 32) {
-      // Warp 0 scans the bins, lane l owning bins 8l .. 8l + 7: the first
-      // bin at which the count reaches k (top_k), or the mass the largest
-      // top-p target (top_p alone).
-      constexpr int kBinsPerLane = kDistanceBins / 32;
+      // The first bin at which the count reaches k (top_k), or the mass the
+      // largest top-p target (top_p alone).
       auto weight = [&](int b) -> U128 {
         if (use_top_k) return static_cast<U128>(m.bin_count[b]);
         U128 mass = 0;
@@ -1600,38 +1618,15 @@ __global__ void __launch_bounds__(kThreads, 2)
       const U128 target =
           use_top_k ? static_cast<U128>(c.top_k)
                     : controls::CeilScaled(c.top_p, member_mass + unseen);
-      U128 sum = 0;
-      for (int b = 0; b < kBinsPerLane; ++b)
-        sum += weight(kBinsPerLane * tid + b);
-      U128 inclusive = sum;
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const unsigned long long hi = __shfl_up_sync(
-            0xffffffffu, static_cast<unsigned long long>(inclusive >> 64),
-            offset);
-        const unsigned long long lo = __shfl_up_sync(
-            0xffffffffu, static_cast<unsigned long long>(inclusive), offset);
-        if (tid >= offset)
-          inclusive += (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
+      const int reached = FirstBinReaching(weight, target);
+      if (tid == 0) {
+        // Short of the target: top_k with fewer than k members takes every
+        // member, if all are seen.
+        m.select_bin = reached >= 0          ? reached
+                       : use_top_k && closed ? kDistanceBins - 1
+                                             : -1;
+        m.sorted_count = 0;
       }
-      const unsigned owners = __ballot_sync(0xffffffffu, inclusive >= target);
-      if (owners == 0u) {
-        // top_k with fewer than k members: every member, if all are seen.
-        if (tid == 0)
-          m.select_bin = use_top_k && closed ? kDistanceBins - 1 : -1;
-      } else if (tid == __ffs(owners) - 1) {
-        U128 cum = inclusive - sum;
-        int chosen = kBinsPerLane * tid + kBinsPerLane - 1;
-        for (int b = 0; b < kBinsPerLane; ++b) {
-          cum += weight(kBinsPerLane * tid + b);
-          if (cum >= target) {
-            chosen = kBinsPerLane * tid + b;
-            break;
-          }
-        }
-        m.select_bin = chosen;
-      }
-      if (tid == 0) m.sorted_count = 0;
     }
     __syncthreads();
     const int chosen = m.select_bin;
