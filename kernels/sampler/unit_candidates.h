@@ -25,6 +25,15 @@ namespace flashsampler {
 
 constexpr int kUnitTokens = 32;
 constexpr int kUnitsPerTile = 4;  // of the kernel's 128-row tiles
+// Candidates per unit. The row's bound is the highest of its units'
+// bounds, so how many tokens lie above it depends on their ranks alone
+// (i.i.d. tokens, median of 20 draws): about 2,200 per row at qwen's V
+// with 4 and 490 with 2; 720 and 200 at V = 32771; 150 and 42 at
+// V = 4099. 2 made the fused kernel's selection and the merge kernel's
+// gather cheaper (qwen top_k + top_p + min_p 476 / 480 against 481 /
+// 483 us at B = 64 / 128, H100, two calls each), but left top_k 20 rows at
+// V = 4099 uncertified, as it would a top_p nucleus of a few hundred
+// tokens at any V.
 constexpr int kUnitCandidates = 4;
 // UnitCandidates::slots value of an unused slot.
 constexpr uint8_t kUnitNoSlot = 0xff;
