@@ -1025,7 +1025,7 @@ __device__ UnseenMass UnseenMassFromSums(double tail, U128 written, float floor,
 }
 
 // The same bounds from the units' path's sums, tail and written both in
-// fp64 relative to x_max (within 1e-5 of exact: GatherUnitCandidates), so
+// fp64 relative to x_max (within 3e-5 of exact: GatherUnitCandidates), so
 // that the headroom covers both; written counts toward the lower bound
 // whatever the floor (its terms are members).
 __device__ UnseenMass UnseenMassFromApprox(double tail, double written,
@@ -1268,8 +1268,8 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
       use_min_p ? controls::MinPFloor(x_max, c.log_min_p) : controls::kNegInf;
   const int64_t units = UnitsPerRow(p.vocab);
   // Top-p rows: the unseen members' mass relative to x_max, fp32 terms
-  // summed per thread in fp64. Each term is within 1e-5 of exact (a unit's
-  // fp32 tail of at most 28 terms within 2e-6, expf within 2 ulp, the
+  // summed per thread in fp64. Each term is within 3e-5 of exact (a unit's
+  // fp32 tail within 2e-5: StoreStagedQuadUnits; expf within 2 ulp, the
   // rounding of x - x_max within |x - x_max| 2^-24 < 6e-6 where expf does
   // not underflow; a term that underflows is below 2^-126, far under one
   // FixedMass unit, 2^-62): inside UnseenMassFromApprox's 1e-3 of headroom.

@@ -1042,8 +1042,10 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
       const bool in_shard = i < valid;
       sum = __fadd_rn(sum, in_shard ? v : 0.0f);
       const uint32_t slot = static_cast<uint32_t>(16 * half + i);
-      uint32_t key =
-          in_shard && isfinite(v) ? (UnitOrderKey(v) & ~kSlotBits) | slot : 0u;
+      // A unit with a non-finite logit writes kUnitNonFinite as its bound,
+      // and the merge kernel reads nothing else of such a row: such a
+      // logit's key need not be kept out of the list.
+      uint32_t key = in_shard ? (UnitOrderKey(v) & ~kSlotBits) | slot : 0u;
 #pragma unroll
       for (int j = 0; j < 5; ++j) {
         const uint32_t high = max(top[j], key);
@@ -1072,7 +1074,17 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   const uint32_t bound = top[4] == 0u ? 0u : (top[4] | kSlotBits);
   const uint32_t cut = top[4] & ~kSlotBits;
   // The left-out logits' mass below the bound for rows that ask (each lane
-  // its own logits), -1 for the others.
+  // its own logits), -1 for the others. Left out are the logits whose key,
+  // slot bits aside, is at most `cut`: on finite logits, those at or below
+  // the largest value with such a key, or, where that is -0, the negative
+  // ones (-0 keys as +0, above the cut). Each term d = x - x_bound <= 0 is
+  // within 1.8e-5 of exact (__expf within 2 + 1.17 |d| ulp for d >= -87.4,
+  // below which the term is under 2^-126 of the bound's and flushes to
+  // zero; the subtraction's rounding within |d| 2^-24), the unit's sum of
+  // at most 28 within 2e-5: inside the merge kernel's 1e-3 of headroom
+  // (UnseenMassFromApprox). With expf and a key per logit, the fused
+  // kernel with its units took 698-720 against 652 us at qwen B = 256
+  // (H100, two alternating runs; docs/performance.md).
   const float inv_t =
       b < args.batch && args.unit_candidates.tail_inv_temperature != nullptr
           ? args.unit_candidates.tail_inv_temperature[b]
@@ -1080,12 +1092,14 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   float tail = inv_t > 0.0f ? 0.0f : -1.0f;
   if (inv_t > 0.0f && bound != 0u) {
     const float top_scaled = __fmul_rn(UnitKeyValue(bound), inv_t);
+    float cut_value = UnitKeyValue(cut | kSlotBits);
+    if (cut_value == 0.0f) cut_value = -__int_as_float(1);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const float v = column_values[16 * half + i];
-      if (i < valid && isfinite(v) && (UnitOrderKey(v) & ~kSlotBits) <= cut) {
+      if (i < valid && v <= cut_value) {
         tail =
-            __fadd_rn(tail, expf(__fsub_rn(__fmul_rn(v, inv_t), top_scaled)));
+            __fadd_rn(tail, __expf(__fsub_rn(__fmul_rn(v, inv_t), top_scaled)));
       }
     }
   }

@@ -48,10 +48,11 @@ constexpr uint32_t kUnitNonFinite = 0xffffffffu;
 // candidate k's unit-local index 0..31, or kUnitNoSlot. bound: an order key
 // (the float's bits made monotone, +0 for -0) at or above every logit left
 // out, 0 when none was; kUnitNonFinite when a logit is NaN or infinite
-// (non-finite logits are never candidates). tail: the sum over the left-out
-// logits l of exp(l / T - b / T), b the bound's value, in fp32, for rows
-// whose UnitCandidates::tail_inv_temperature is positive; negative for the
-// others.
+// (the record's other fields then mean nothing, and the row's bound is
+// kUnitNonFinite, its maximum: the merge kernel takes no such row). tail:
+// the sum over the left-out logits l of exp(l / T - b / T), b the bound's
+// value, in fp32, for rows whose UnitCandidates::tail_inv_temperature is
+// positive; negative for the others.
 struct alignas(32) UnitRecord {
   float raws[kUnitCandidates];
   uint32_t slots;
@@ -66,7 +67,8 @@ static_assert(sizeof(UnitRecord) == 32, "a record is one 32-byte sector");
 struct UnitCandidates {
   UnitRecord* records = nullptr;  // [batch][units], 32-byte aligned
   // [batch] each row's highest unit bound and highest candidate key (the
-  // row's largest finite logit's order key), atomic maxima: zero before
+  // row's largest logit's order key where row_bound is not
+  // kUnitNonFinite), atomic maxima: zero before
   // the launch. The controlled sampler's merge kernel reads them and sets
   // them back to zero.
   uint32_t* row_bound = nullptr;
