@@ -1081,7 +1081,7 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   // within 1.8e-5 of exact (__expf within 2 + 1.17 |d| ulp for d >= -87.4,
   // below which the term is under 2^-126 of the bound's and flushes to
   // zero; the subtraction's rounding within |d| 2^-24), the unit's sum of
-  // at most 28 within 2e-5: inside the merge kernel's 1e-3 of headroom
+  // at most 31 within 2e-5: inside the merge kernel's 1e-3 of headroom
   // (UnseenMassFromApprox). With expf and a key per logit, the fused
   // kernel with its units took 698-720 against 652 us at qwen B = 256
   // (H100, two alternating runs; docs/performance.md).
