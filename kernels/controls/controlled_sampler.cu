@@ -1247,13 +1247,14 @@ __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
 // row cannot be certified here: a bitmask, per-token entries or logprobs
 // (they need every logit), a non-finite logit, a maximum not above every
 // bound, a tail summed at another temperature, or a closest bin alone over
-// `room`. Every thread calls it.
+// `room`. use_min_p and want_tail (top_p that top_k does not bound) are the
+// merge kernel's filters of the row. Every thread calls it.
 __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
                                      const ControlledUnits& u,
                                      const ControlledRow& c, int r, float inv_t,
-                                     bool want_tail, float* cand_raw,
-                                     int32_t* cand_id, int room, MergeShared& m,
-                                     UnitGather* g) {
+                                     bool use_min_p, bool want_tail,
+                                     float* cand_raw, int32_t* cand_id,
+                                     int room, MergeShared& m, UnitGather* g) {
   const uint32_t unit_bound = m.unit_row_bound;
   const uint32_t top = m.unit_row_top;
   if (c.bitmask_offset >= 0 || c.special_begin != c.special_end ||
@@ -1263,7 +1264,6 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
     return false;
   }
   const float x_max = controls::ScaledLogit(controls::KeyValue(top), inv_t);
-  const bool use_min_p = c.temperature != 0.0f && c.min_p > 0.0f;
   const float floor =
       use_min_p ? controls::MinPFloor(x_max, c.log_min_p) : controls::kNegInf;
   const int64_t units = UnitsPerRow(p.vocab);
@@ -1425,6 +1425,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   const ChunkSummary* summaries =
       w.summaries + static_cast<int64_t>(r) * w.chunks;
   const float inv_t = RowInverseTemperature(c);
+  const bool use_min_p = !greedy && c.min_p > 0.0f;
+  const bool use_top_k = !greedy && c.top_k > 0 && c.top_k < vocab;
+  const bool use_top_p = !greedy && c.top_p < 1.0f;
 
   // The candidates, slot s of `slots`: raw logit and id, id -1 where the
   // slot holds none (the processed logit is recomputed from the raw one).
@@ -1441,10 +1444,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t bound_key = 0u;
   UnitGather gathered{};
   if constexpr (kFromUnits) {
-    const bool want_tail =
-        !greedy && c.top_p < 1.0f && !(c.top_k > 0 && c.top_k < vocab);
-    if (!GatherUnitCandidates(p, u, c, r, inv_t, want_tail, cand_raw, cand_id,
-                              room, m, &gathered)) {
+    if (!GatherUnitCandidates(p, u, c, r, inv_t, use_min_p,
+                              use_top_p && !use_top_k, cand_raw, cand_id, room,
+                              m, &gathered)) {
       return;
     }
     slots = gathered.count;
@@ -1555,9 +1557,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   // The row's max must be seen: strictly above every unseen token.
   if (bad || x_max == controls::kNegInf || !(x_max > x_bound)) return;
 
-  const bool use_min_p = !greedy && c.min_p > 0.0f;
-  const bool use_top_k = !greedy && c.top_k > 0 && c.top_k < vocab;
-  const bool use_top_p = !greedy && c.top_p < 1.0f;
   const float floor =
       use_min_p ? controls::MinPFloor(x_max, c.log_min_p) : controls::kNegInf;
   auto is_member = [floor](float x) {

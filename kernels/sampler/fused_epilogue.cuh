@@ -1005,14 +1005,14 @@ __device__ __forceinline__ float UnitKeyValue(uint32_t key) {
 // and row0 + 64 + {0..15}, one unit (slots 0-15 and 16-31). A logit ranks by
 // its order key with the low 5 bits replaced by its slot, so that the keys
 // are distinct and carry their slots: each lane keeps the top 5 of its 16
-// (a non-finite logit, or a row past the shard's end, keys 0), the pair
-// merges the two lists, and the pair writes the unit's record: the logits
-// of the top 4 whose key, slot bits aside, is above the 5th's, and that
-// 5th's key with its low 5 bits set as the bound (every logit left out is
-// at or below it). A record per (row, unit), each one sector written whole
-// by its lane pair, so that the merge kernel reads a row's records as one
-// contiguous run. The row's highest bound and highest key are atomic maxima
-// (one each per record). All 32 lanes call it.
+// (a row past the shard's end keys 0), the pair merges the two lists, and
+// the pair writes the unit's record: the logits of the top 4 whose key,
+// slot bits aside, is above the 5th's, and that 5th's key with its low 5
+// bits set as the bound (every logit left out is at or below it). A record
+// per (row, unit), each one sector written whole by its lane pair, so that
+// the merge kernel reads a row's records as one contiguous run. The row's
+// highest bound and highest key are atomic maxima (one each per record).
+// All 32 lanes call it.
 __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
                                                      int64_t row0, int col0,
                                                      int batch_base,

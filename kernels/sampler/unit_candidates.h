@@ -35,7 +35,7 @@ constexpr int kUnitsPerTile = 4;  // of the kernel's 128-row tiles
 // V = 4099 uncertified, as it would a top_p nucleus of a few hundred
 // tokens at any V.
 constexpr int kUnitCandidates = 4;
-// UnitCandidates::slots value of an unused slot.
+// UnitRecord::slots byte of an unused slot.
 constexpr uint8_t kUnitNoSlot = 0xff;
 // UnitRecord::bound of a unit with a logit that is not finite.
 constexpr uint32_t kUnitNonFinite = 0xffffffffu;
@@ -67,10 +67,9 @@ static_assert(sizeof(UnitRecord) == 32, "a record is one 32-byte sector");
 struct UnitCandidates {
   UnitRecord* records = nullptr;  // [batch][units], 32-byte aligned
   // [batch] each row's highest unit bound and highest candidate key (the
-  // row's largest logit's order key where row_bound is not
-  // kUnitNonFinite), atomic maxima: zero before
-  // the launch. The controlled sampler's merge kernel reads them and sets
-  // them back to zero.
+  // row's largest logit's order key where row_bound is not kUnitNonFinite),
+  // atomic maxima: zero before the launch. The controlled sampler's merge
+  // kernel reads them and sets them back to zero.
   uint32_t* row_bound = nullptr;
   uint32_t* row_top = nullptr;
   // [batch] 1 / T of each row whose tail mass is wanted, 0 (or a null
