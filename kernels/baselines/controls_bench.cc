@@ -281,22 +281,17 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                              stream);
   };
   // The unit candidates instead of logits, rows greedy, each row's tail
-  // mass summed at 1 / 0.8 (what the CUDA engine launches for a batch its
-  // units can serve).
-  auto fused_units = [&](const void* h, int batch) {
+  // mass summed at `tails` (1 / 0.8, or 0 for none): what the CUDA engine
+  // launches for a batch its units can serve.
+  auto fused_units = [&](const void* h, int batch, const float* tails) {
     FusedSampleParams params = fused_params(h, batch, greedy_inv_temperature);
     params.unit_candidates.records = unit_records;
     params.unit_candidates.row_bound = unit_row_maxima;
     params.unit_candidates.row_top = unit_row_maxima + max_batch;
-    params.unit_candidates.tail_inv_temperature = inv_temperature;
+    params.unit_candidates.tail_inv_temperature = tails;
     return LaunchFusedSample(params, fused_workspace, fused_workspace_bytes,
                              stream);
   };
-  ControlledUnits units;
-  units.records = unit_records;
-  units.row_bound = unit_row_maxima;
-  units.row_top = unit_row_maxima + max_batch;
-  units.tail_inv_temperature = inv_temperature;
 
   // The peaked rows: the flat rows scaled so that the first rows' mean
   // softmax entropy (T = 1) is about 2.5 nats; logits scale with h.
@@ -365,7 +360,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
               }) ||
         !time("fused_logits_out_sampled",
               [&] { return fused(peaked, batch, logits, inv_temperature); }) ||
-        !time("fused_units_out", [&] { return fused_units(peaked, batch); }) ||
+        !time("fused_units_out",
+              [&] { return fused_units(peaked, batch, inv_temperature); }) ||
         !time("cublas_only", [&] {
           return CublasLogits(cublas, weights, peaked, DType::kBf16, vocab,
                               hidden, batch, logits, DType::kBf16, stream);
@@ -402,6 +398,16 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         return false;
       }
       const void* h = controls.peaked ? peaked : flat;
+      // Tails only where the merge kernel reads them, as the engine asks.
+      ControlledUnits units;
+      units.records = unit_records;
+      units.row_bound = unit_row_maxima;
+      units.row_top = unit_row_maxima + max_batch;
+      units.tail_inv_temperature =
+          controls::UnitTailWanted(controls.temperature, controls.top_k,
+                                   controls.top_p, vocab)
+              ? inv_temperature
+              : greedy_inv_temperature;
       auto sample = [&] {
         return LaunchControlledSample(params, controlled_workspace,
                                       controlled_workspace_bytes, stream);
@@ -433,7 +439,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
           (!controls.everything &&
            (!time("units_" + controls.name,
                   [&] {
-                    const cudaError_t error = fused_units(h, batch);
+                    const cudaError_t error =
+                        fused_units(h, batch, units.tail_inv_temperature);
                     return error != cudaSuccess
                                ? error
                                : LaunchControlledSampleFromUnits(

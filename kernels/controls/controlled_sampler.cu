@@ -1133,9 +1133,33 @@ struct MergeShared {
   int cut_index_hi;  // the same cut at the unseen mass's upper end
 };
 
-// Bitonic sort of sorted[0, n) descending (n <= kMergeSortCapacity; the rest
-// up to the next power of two padded with 0, below every key).
+// Sorts keys[0, n) descending (n <= kMergeSortCapacity). Up to
+// kRankSortKeys keys, thread i counts the keys ranked above keys[i] (equal
+// ones at lower positions first) and moves it there: two barriers, against
+// one per step of the bitonic network (28 at 64 keys, where the network
+// took 7% of the merge kernel's 22 us at one row; Nsight Compute, H100).
+// Beyond that, the network's steps cost less than every thread reading
+// every key: the rest up to the next power of two is padded with 0, below
+// every key.
+constexpr int kRankSortKeys = 256;
+static_assert(kRankSortKeys <= kThreads, "one key per thread");
 __device__ void SortDescending(unsigned long long* keys, int n) {
+  if (n <= kRankSortKeys) {
+    const int i = threadIdx.x;
+    unsigned long long key = 0;
+    int rank = 0;
+    if (i < n) {
+      key = keys[i];
+      for (int j = 0; j < n; ++j) {
+        const unsigned long long other = keys[j];
+        rank += other > key || (other == key && j < i);
+      }
+    }
+    __syncthreads();
+    if (i < n) keys[rank] = key;
+    __syncthreads();
+    return;
+  }
   int size = 1;
   while (size < n) size <<= 1;
   for (int i = n + threadIdx.x; i < size; i += kThreads) keys[i] = 0ull;
@@ -1158,6 +1182,34 @@ __device__ void SortDescending(unsigned long long* keys, int n) {
   }
 }
 
+// Warp shuffles of a U128 as its two 64-bit halves.
+__device__ U128 ShuffleUpU128(U128 v, int offset) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const unsigned long long hi =
+      __shfl_up_sync(kAll, static_cast<unsigned long long>(v >> 64), offset);
+  const unsigned long long lo =
+      __shfl_up_sync(kAll, static_cast<unsigned long long>(v), offset);
+  return (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
+}
+
+__device__ U128 ShuffleXorU128(U128 v, int mask) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const unsigned long long hi =
+      __shfl_xor_sync(kAll, static_cast<unsigned long long>(v >> 64), mask);
+  const unsigned long long lo =
+      __shfl_xor_sync(kAll, static_cast<unsigned long long>(v), mask);
+  return (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
+}
+
+__device__ U128 ShuffleIdxU128(U128 v, int lane) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const unsigned long long hi =
+      __shfl_sync(kAll, static_cast<unsigned long long>(v >> 64), lane);
+  const unsigned long long lo =
+      __shfl_sync(kAll, static_cast<unsigned long long>(v), lane);
+  return (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
+}
+
 // Warp 0's scan of the distance bins, lane l summing bins 8l .. 8l + 7:
 // the first bin at which the running weight(b) reaches `target`, or -1
 // where the bins' total falls short; every lane gets it. Every lane of
@@ -1172,12 +1224,8 @@ __device__ int FirstBinReaching(Weight weight, U128 target) {
   U128 inclusive = sum;
 #pragma unroll
   for (int offset = 1; offset < 32; offset <<= 1) {
-    const unsigned long long hi = __shfl_up_sync(
-        kAll, static_cast<unsigned long long>(inclusive >> 64), offset);
-    const unsigned long long lo = __shfl_up_sync(
-        kAll, static_cast<unsigned long long>(inclusive), offset);
-    if (lane >= offset)
-      inclusive += (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
+    const U128 up = ShuffleUpU128(inclusive, offset);
+    if (lane >= offset) inclusive += up;
   }
   const unsigned owners = __ballot_sync(kAll, inclusive >= target);
   if (owners == 0u) return -1;
@@ -1206,30 +1254,47 @@ struct UnitGather {
   float x_max;     // the row's largest processed logit
 };
 
-// Visits this thread's share of row r's unit records (a sector each,
-// kInFlight of them loaded at once): on_unit(bound, tail) for each record
-// and on_candidate(unit, slot, raw) for its candidates, in order, until one
-// returns false.
+// Visits this thread's share of row r's unit records, q = threadIdx.x +
+// kThreads j in order: on_unit(bound, tail) for each record and
+// on_candidate(unit, slot, raw) for its candidates, in order, until one
+// returns false. The records of kInFlight consecutive j are loaded whole
+// before any is read: loaded one at a time, a record's candidates waited on
+// its slots (two dependent L2 round trips per record, ten records a thread at
+// qwen's V), and the gather took a third of the merge kernel's 22 us at one
+// row (Nsight Compute stall sampling, H100).
 template <int kInFlight, typename OnUnit, typename OnCandidate>
 __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
                            OnUnit on_unit, OnCandidate on_candidate) {
-#pragma unroll kInFlight
-  for (int64_t q = threadIdx.x; q < units; q += kThreads) {
-    const uint4* record =
-        reinterpret_cast<const uint4*>(u.records + r * units + q);
-    const uint4 raws = record[0];
-    const uint4 rest = record[1];  // slots, bound, tail
-    const uint32_t raw_bits[kUnitCandidates] = {raws.x, raws.y, raws.z, raws.w};
+  const uint4* row = reinterpret_cast<const uint4*>(u.records + r * units);
+  for (int64_t first = threadIdx.x; first < units;
+       first += kInFlight * kThreads) {
+    uint4 raws[kInFlight];
+    uint4 rest[kInFlight];  // slots, bound, tail
 #pragma unroll
-    for (int k = 0; k < kUnitCandidates; ++k) {
-      const uint32_t slot = (rest.x >> (8 * k)) & 0xffu;
-      if (slot == kUnitNoSlot ||
-          !on_candidate(q, static_cast<int>(slot),
-                        controls::FoldZero(__uint_as_float(raw_bits[k])))) {
-        break;
+    for (int i = 0; i < kInFlight; ++i) {
+      const int64_t q = first + i * kThreads;
+      if (q < units) {
+        raws[i] = row[2 * q];
+        rest[i] = row[2 * q + 1];
       }
     }
-    on_unit(rest.y, __uint_as_float(rest.z));
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      const int64_t q = first + i * kThreads;
+      if (q >= units) break;
+      const uint32_t raw_bits[kUnitCandidates] = {raws[i].x, raws[i].y,
+                                                  raws[i].z, raws[i].w};
+#pragma unroll
+      for (int k = 0; k < kUnitCandidates; ++k) {
+        const uint32_t slot = (rest[i].x >> (8 * k)) & 0xffu;
+        if (slot == kUnitNoSlot ||
+            !on_candidate(q, static_cast<int>(slot),
+                          controls::FoldZero(__uint_as_float(raw_bits[k])))) {
+          break;
+        }
+      }
+      on_unit(rest[i].y, __uint_as_float(rest[i].z));
+    }
   }
 }
 
@@ -1444,9 +1509,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t bound_key = 0u;
   UnitGather gathered{};
   if constexpr (kFromUnits) {
-    if (!GatherUnitCandidates(p, u, c, r, inv_t, use_min_p,
-                              use_top_p && !use_top_k, cand_raw, cand_id, room,
-                              m, &gathered)) {
+    // UnitTailWanted is use_top_p && !use_top_k: the rows whose tails the
+    // engine asks the fused kernel for.
+    if (!GatherUnitCandidates(
+            p, u, c, r, inv_t, use_min_p,
+            controls::UnitTailWanted(c.temperature, c.top_k, c.top_p, vocab),
+            cand_raw, cand_id, room, m, &gathered)) {
       return;
     }
     slots = gathered.count;
@@ -1651,7 +1719,16 @@ __global__ void __launch_bounds__(kThreads, 2)
                             : 0ull;
     }
     __syncthreads();
-    if (tid == 0) {
+    if (tid < 32) {
+      // Warp 0, every lane with the same view: top_k's end, then top_p's
+      // cut by chunks of 32 masses (a scan and a ballot each). Walked by
+      // thread 0 alone, one mass at a time, a nucleus of up to 2048 sorted
+      // tokens took tens of us: top_p 0.99 on flat rows at qwen B = 16 took
+      // 549-551 against 483-488 us this way (the rows then fail to certify;
+      // peaked rows the same either way; H100, alternating runs in one
+      // call). U128 sums are exact, so the order of the adds is free.
+      constexpr unsigned kAll = 0xffffffffu;
+      const int lane = tid;
       // top_k: every member ranked at or above the k-th value (ties kept).
       int end = total;  // within_k = sorted[0, end)
       bool ok = true;
@@ -1674,28 +1751,42 @@ __global__ void __launch_bounds__(kThreads, 2)
         // `unseen`.
         U128 known = 0;
         if (use_top_k) {
-          for (int i = 0; i < end; ++i) known += m.mass[i];
+          for (int i = lane; i < end; i += 32) known += m.mass[i];
+#pragma unroll
+          for (int offset = 16; offset > 0; offset >>= 1)
+            known += ShuffleXorU128(known, offset);
         } else {
           known = member_mass;
         }
         const U128 target_lo =
             controls::CeilScaled(c.top_p, known + unseen_lower);
         const U128 target_hi = controls::CeilScaled(c.top_p, known + unseen);
-        U128 cum = 0;
+        U128 carry = 0;  // the mass of sorted[0, base)
         cut = -1;
         cut_hi = -1;
-        for (int i = 0; i < end; ++i) {
-          cum += m.mass[i];
-          if (cut < 0 && cum >= target_lo) cut = i;
-          if (cum >= target_hi) {
-            cut_hi = i;
-            break;
+        for (int base = 0; base < end && cut_hi < 0; base += 32) {
+          const int i = base + lane;
+          U128 cum = i < end ? static_cast<U128>(m.mass[i]) : 0;
+#pragma unroll
+          for (int offset = 1; offset < 32; offset <<= 1) {
+            const U128 up = ShuffleUpU128(cum, offset);
+            if (lane >= offset) cum += up;
           }
+          cum += carry;
+          const unsigned reach_lo =
+              __ballot_sync(kAll, i < end && cum >= target_lo);
+          const unsigned reach_hi =
+              __ballot_sync(kAll, i < end && cum >= target_hi);
+          if (cut < 0 && reach_lo != 0u) cut = base + __ffs(reach_lo) - 1;
+          if (reach_hi != 0u) cut_hi = base + __ffs(reach_hi) - 1;
+          carry = ShuffleIdxU128(cum, 31);
         }
         if (cut < 0) ok = false;
       }
-      m.cut_index = ok ? cut : -1;
-      m.cut_index_hi = cut_hi;
+      if (lane == 0) {
+        m.cut_index = ok ? cut : -1;
+        m.cut_index_hi = cut_hi;
+      }
     }
     __syncthreads();
     if (m.cut_index < 0) return;

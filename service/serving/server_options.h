@@ -111,7 +111,9 @@ struct ServerOptions {
   // CUDA backend: batches in flight (two lets copies overlap compute).
   int cuda_slots = 2;
   // CUDA backend, one GPU: replay each batch size's input copy, kernel and
-  // token copy as one recorded CUDA graph (CudaEngineOptions::replay_graphs).
+  // token copy (or, for a controlled batch served from unit candidates, its
+  // input copy and kernel) as one recorded CUDA graph
+  // (CudaEngineOptions::replay_graphs).
   bool cuda_graphs = true;
   // CUDA backend, tp > 1: how ranks hand their candidates to rank 0. "auto":
   // NCCL's device API, or CUDA peer access when that cannot be set up;

@@ -40,6 +40,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/status_util.h"
+#include "kernels/controls/controlled_math.h"
 #include "kernels/controls/controlled_plan.h"
 #include "kernels/controls/controlled_sampler.h"
 #include "kernels/controls/controlled_types.h"
@@ -165,6 +166,13 @@ struct SlotRank {
   cudaEvent_t logits_copied = nullptr;
 };
 
+// Recorded graphs of one kind, by batch rows - 1: null until recorded,
+// and for good where refused says the recording failed.
+struct Stage1Graphs {
+  std::vector<cudaGraphExec_t> execs;
+  std::vector<char> refused;
+};
+
 struct Slot {
   void* host_input = nullptr;  // pinned [row params | hidden]
   std::vector<SlotRank> ranks;
@@ -173,12 +181,13 @@ struct Slot {
   std::unique_ptr<TpExchange> exchange;
   int32_t* device_tokens = nullptr;  // rank 0: [rows][n]
   int32_t* host_tokens = nullptr;    // pinned
-  // One GPU: plain_graphs[rows - 1] replays a plain batch of `rows` rows
-  // with one sample each (CudaEngineOptions::replay_graphs), recorded on
-  // that size's first batch; null until then, and for good where
-  // plain_graph_refused[rows - 1] says the recording failed.
-  std::vector<cudaGraphExec_t> plain_graphs;
-  std::vector<char> plain_graph_refused;
+  // One GPU (CudaEngineOptions::replay_graphs), by batch rows - 1:
+  // plain_graphs replay a plain batch with one sample a row (its input
+  // copy, stage 1 and token copy), units_graphs the input copy and stage 1
+  // of a controlled batch served from unit candidates whose other rows take
+  // one sample. Each is recorded on that size's first batch.
+  Stage1Graphs plain_graphs;
+  Stage1Graphs units_graphs;
 
   // The materialized path, all on rank 0 (sizes in CudaEngine::Init).
   float* logits = nullptr;  // [max_batch_rows, V] fp32
@@ -267,12 +276,16 @@ class CudaEngine final : public Engine {
   // Queues stage 1 and the token copy of a plain batch of `rows` rows with
   // `num_samples` samples each (the copy on rank 0's stream).
   absl::Status EnqueuePlainBatch(Slot& slot, int rows, int num_samples);
-  // One GPU: the plain batch of `rows` rows and one sample each as one
-  // graph launch, recorded into slot.plain_graphs on its first use (call by
+  // One GPU, one sample a row: EnqueuePlainBatch(slot, rows, 1) (kTokens)
+  // or EnqueueStage1(slot, rows, 1, kUnits) as one graph launch, recorded
+  // into slot.plain_graphs or slot.units_graphs on its first use (call by
   // call where the driver will not record it).
-  absl::Status LaunchPlainGraph(Slot& slot, int rows);
-  // Records EnqueuePlainBatch(slot, rows, 1) into `exec`.
-  absl::Status RecordPlainGraph(Slot& slot, int rows, cudaGraphExec_t* exec);
+  absl::Status LaunchStage1Graph(Slot& slot, int rows, Stage1Output output);
+  // Queues what LaunchStage1Graph replays, call by call.
+  absl::Status EnqueueStage1Graphed(Slot& slot, int rows, Stage1Output output);
+  // Records EnqueueStage1Graphed(slot, rows, output) into `exec`.
+  absl::Status RecordStage1Graph(Slot& slot, int rows, Stage1Output output,
+                                 cudaGraphExec_t* exec);
   // The materialized path after stage 1: gathers the logits on rank 0 (tensor
   // parallel), packs and runs the controlled sampler over the batch's rows
   // (row chunks within kControlledPlanBudgetBytes) and queues the D2H of its
@@ -575,10 +588,11 @@ absl::Status CudaEngine::Init() {
     FS_RETURN_IF_ERROR(Check(cudaMallocHost(&slot.host_input, input_bytes_),
                              "cudaMallocHost(staging)"));
     std::memset(slot.host_input, 0, input_bytes_);
-    slot.plain_graphs.assign(static_cast<size_t>(options_.max_batch_rows),
-                             nullptr);
-    slot.plain_graph_refused.assign(
-        static_cast<size_t>(options_.max_batch_rows), 0);
+    for (Stage1Graphs* graphs : {&slot.plain_graphs, &slot.units_graphs}) {
+      graphs->execs.assign(static_cast<size_t>(options_.max_batch_rows),
+                           nullptr);
+      graphs->refused.assign(static_cast<size_t>(options_.max_batch_rows), 0);
+    }
     FS_RETURN_IF_ERROR(
         Check(cudaMallocHost(reinterpret_cast<void**>(&slot.host_tokens),
                              sizeof(int32_t) * max_tokens),
@@ -857,15 +871,22 @@ absl::Status CudaEngine::EnqueuePlainBatch(Slot& slot, int rows,
                "cudaMemcpyAsync(tokens)");
 }
 
-absl::Status CudaEngine::RecordPlainGraph(Slot& slot, int rows,
-                                          cudaGraphExec_t* exec) {
+absl::Status CudaEngine::EnqueueStage1Graphed(Slot& slot, int rows,
+                                              Stage1Output output) {
+  return output == Stage1Output::kTokens ? EnqueuePlainBatch(slot, rows, 1)
+                                         : EnqueueStage1(slot, rows, 1, output);
+}
+
+absl::Status CudaEngine::RecordStage1Graph(Slot& slot, int rows,
+                                           Stage1Output output,
+                                           cudaGraphExec_t* exec) {
   cudaStream_t stream = slot.ranks[0].stream;
   // Recorded from the same calls a batch of this size makes one by one;
   // every pointer and argument they take is fixed per slot and size.
   FS_RETURN_IF_ERROR(
       Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
             "cudaStreamBeginCapture"));
-  const absl::Status enqueued = EnqueuePlainBatch(slot, rows, 1);
+  const absl::Status enqueued = EnqueueStage1Graphed(slot, rows, output);
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
   if (!enqueued.ok() || ended != cudaSuccess) {
@@ -882,19 +903,22 @@ absl::Status CudaEngine::RecordPlainGraph(Slot& slot, int rows,
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::LaunchPlainGraph(Slot& slot, int rows) {
+absl::Status CudaEngine::LaunchStage1Graph(Slot& slot, int rows,
+                                           Stage1Output output) {
+  Stage1Graphs& graphs =
+      output == Stage1Output::kTokens ? slot.plain_graphs : slot.units_graphs;
   const size_t index = static_cast<size_t>(rows) - 1;
-  cudaGraphExec_t& exec = slot.plain_graphs[index];
-  if (exec == nullptr && !slot.plain_graph_refused[index]) {
-    const absl::Status recorded = RecordPlainGraph(slot, rows, &exec);
+  cudaGraphExec_t& exec = graphs.execs[index];
+  if (exec == nullptr && !graphs.refused[index]) {
+    const absl::Status recorded = RecordStage1Graph(slot, rows, output, &exec);
     if (!recorded.ok()) {
       if (broken_.load()) return recorded;
       // A size the driver would not record (the device is fine) is queued
       // call by call from now on.
-      slot.plain_graph_refused[index] = 1;
+      graphs.refused[index] = 1;
     }
   }
-  if (exec == nullptr) return EnqueuePlainBatch(slot, rows, 1);
+  if (exec == nullptr) return EnqueueStage1Graphed(slot, rows, output);
   if (options_.graph_launches_for_tests != nullptr) {
     options_.graph_launches_for_tests->fetch_add(1);
   }
@@ -1199,10 +1223,18 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
   if (controlled) {
     // A controlled row's stage-1 tokens are not used, so it runs greedy
     // there: an argmax per column instead of the pruned noise. Served from
-    // unit candidates, the kernel sums its tail mass at its 1 / T.
+    // unit candidates, the kernel sums its tail mass at its 1 / T where the
+    // merge kernel reads it (controls::UnitTailWanted).
     for (int i = 0; i < batch.rows; ++i) {
-      tail_inv_temperature[i] = by_controls[i] ? inv_temperature[i] : 0.0f;
-      if (by_controls[i]) inv_temperature[i] = 0.0f;
+      tail_inv_temperature[i] = 0.0f;
+      if (!by_controls[i]) continue;
+      const SamplingParams& params = *batch.specs[i].params;
+      if (controls::UnitTailWanted(params.greedy() ? 0.0f : params.temperature,
+                                   params.top_k, params.top_p,
+                                   info_.vocab_size)) {
+        tail_inv_temperature[i] = inv_temperature[i];
+      }
+      inv_temperature[i] = 0.0f;
     }
   }
 
@@ -1234,7 +1266,8 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
                             stage1_samples, num_samples, max_top_n, results);
   }
   if (options_.replay_graphs && ranks_.size() == 1 && num_samples == 1) {
-    FS_RETURN_IF_ERROR(LaunchPlainGraph(slot, batch.rows));
+    FS_RETURN_IF_ERROR(
+        LaunchStage1Graph(slot, batch.rows, Stage1Output::kTokens));
   } else {
     FS_RETURN_IF_ERROR(EnqueuePlainBatch(slot, batch.rows, num_samples));
   }
@@ -1300,9 +1333,16 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     options_.unit_batches_for_tests->fetch_add(1);
   }
   ControlledOutputLayout layout;
-  FS_RETURN_IF_ERROR(
-      EnqueueStage1(slot, batch.rows, stage1_samples,
-                    from_units ? Stage1Output::kUnits : Stage1Output::kLogits));
+  if (from_units && options_.replay_graphs && stage1_samples == 1) {
+    // The sampler's launches follow the graph call by call: its packed
+    // controls differ from batch to batch.
+    FS_RETURN_IF_ERROR(
+        LaunchStage1Graph(slot, batch.rows, Stage1Output::kUnits));
+  } else {
+    FS_RETURN_IF_ERROR(EnqueueStage1(
+        slot, batch.rows, stage1_samples,
+        from_units ? Stage1Output::kUnits : Stage1Output::kLogits));
+  }
   FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
                                    max_top_n, from_units, &layout));
   bool keeps_stage1 = false;
@@ -1388,8 +1428,11 @@ void CudaEngine::Release() {
       }
     }
     if (!ranks_.empty() && cudaSetDevice(ranks_[0].device) == cudaSuccess) {
-      for (cudaGraphExec_t exec : slot.plain_graphs) {
-        if (exec != nullptr) cudaGraphExecDestroy(exec);
+      for (const Stage1Graphs* graphs :
+           {&slot.plain_graphs, &slot.units_graphs}) {
+        for (cudaGraphExec_t exec : graphs->execs) {
+          if (exec != nullptr) cudaGraphExecDestroy(exec);
+        }
       }
       if (slot.device_tokens != nullptr) cudaFree(slot.device_tokens);
       if (slot.logits != nullptr) cudaFree(slot.logits);

@@ -40,8 +40,11 @@ struct CudaEngineOptions {
   // rows) as a CUDA graph and replayed with one launch, instead of three
   // enqueues of 6-16 us of host time each on a virtual machine (one
   // caller's p50 on an H100: 0.53 against 0.55-0.56 ms;
-  // docs/performance.md#service). Off: every batch enqueues them one by one
-  // (the tests compare the two).
+  // docs/performance.md#service). A controlled batch served from unit
+  // candidates whose other rows take one sample replays its input copy and
+  // fused kernel the same way (the sampler's launches, whose packed
+  // controls change from batch to batch, follow call by call). Off: every
+  // batch enqueues them one by one (the tests compare the two).
   bool replay_graphs = true;
   // One GPU with the wgmma kernel (sm_90): a controlled batch whose
   // controlled rows use temperature, top_k, top_p, min_p and n alone takes

@@ -419,14 +419,17 @@ TEST_F(CudaEngineGpuTest, UnitCandidatesGiveTheTokensOfMaterializedLogits) {
         [&] { return weight(rng); }, &values);
     ASSERT_NE(weights, nullptr);
     auto batches = std::make_shared<std::atomic<int64_t>>(0);
+    auto graph_launches = std::make_shared<std::atomic<int64_t>>(0);
     CudaEngineOptions options;
     options.devices = {0};
     options.max_batch_rows = rows;
     options.unit_batches_for_tests = batches;
+    options.graph_launches_for_tests = graph_launches;
     auto units = CreateCudaEngine(weights, options);
     ASSERT_TRUE(units.ok()) << units.status();
     options.unit_candidates = false;
     options.unit_batches_for_tests = nullptr;
+    options.graph_launches_for_tests = nullptr;
     auto logits = CreateCudaEngine(weights, options);
     ASSERT_TRUE(logits.ok()) << logits.status();
 
@@ -478,11 +481,18 @@ TEST_F(CudaEngineGpuTest, UnitCandidatesGiveTheTokensOfMaterializedLogits) {
         specs[i].step = rng() % 100000;
       }
       const int64_t batches_before = batches->load();
+      const int64_t graphs_before = graph_launches->load();
       std::vector<RowResult> from_units;
       StageHidden(**units, 0, hidden);
       ASSERT_TRUE(
           (*units)->Sample(BatchView{0, rows, specs.data()}, &from_units).ok());
       EXPECT_EQ(batches->load() - batches_before, round <= kFlatRound ? 1 : 0)
+          << where << ", round " << round;
+      // The units' stage 1 is a graph, recorded in round 0 and replayed
+      // after (every row but the controlled ones takes one sample); the
+      // materialized path's is not.
+      EXPECT_EQ(graph_launches->load() - graphs_before,
+                round <= kFlatRound ? 1 : 0)
           << where << ", round " << round;
       std::vector<RowResult> from_logits;
       StageHidden(**logits, 0, hidden);
