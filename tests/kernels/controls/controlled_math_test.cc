@@ -211,6 +211,21 @@ TEST(ControlledMathTest, SpecialLowerBoundFindsTheFirstEntryAtOrAbove) {
   EXPECT_FALSE(controls::SpecialBanned(ids.data(), flags.data(), 2, 5, 3));
 }
 
+// The rows whose unit tails the fused kernel sums and the merge kernel
+// reads: sampled top_p rows that top_k does not bound, top_k's "off"
+// spellings (-1, 0, >= V) included.
+TEST(ControlledMathTest, UnitTailWantedIsTopPThatTopKDoesNotBound) {
+  constexpr int64_t kVocab = 1000;
+  EXPECT_TRUE(controls::UnitTailWanted(0.8f, 0, 0.9f, kVocab));
+  EXPECT_TRUE(controls::UnitTailWanted(0.8f, -1, 0.9f, kVocab));
+  EXPECT_TRUE(controls::UnitTailWanted(1.0f, kVocab, 0.95f, kVocab));
+  EXPECT_TRUE(controls::UnitTailWanted(1.0f, kVocab + 7, 0.95f, kVocab));
+  EXPECT_FALSE(controls::UnitTailWanted(0.8f, 50, 0.9f, kVocab));
+  EXPECT_FALSE(controls::UnitTailWanted(0.8f, kVocab - 1, 0.9f, kVocab));
+  EXPECT_FALSE(controls::UnitTailWanted(0.8f, 0, 1.0f, kVocab));  // no top_p
+  EXPECT_FALSE(controls::UnitTailWanted(0.0f, 0, 0.9f, kVocab));  // greedy
+}
+
 TEST(ControlledMathTest, RadixCutsEqualSortedCuts) {
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 300; ++trial) {
