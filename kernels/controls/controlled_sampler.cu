@@ -1182,32 +1182,29 @@ __device__ void SortDescending(unsigned long long* keys, int n) {
   }
 }
 
-// Warp shuffles of a U128 as its two 64-bit halves.
-__device__ U128 ShuffleUpU128(U128 v, int offset) {
-  constexpr unsigned kAll = 0xffffffffu;
+// A warp shuffle of a U128 as its two 64-bit halves: shuffle(half) is one
+// __shfl_*_sync of an unsigned long long.
+template <typename Shuffle>
+__device__ U128 ShuffleU128(U128 v, Shuffle shuffle) {
   const unsigned long long hi =
-      __shfl_up_sync(kAll, static_cast<unsigned long long>(v >> 64), offset);
-  const unsigned long long lo =
-      __shfl_up_sync(kAll, static_cast<unsigned long long>(v), offset);
+      shuffle(static_cast<unsigned long long>(v >> 64));
+  const unsigned long long lo = shuffle(static_cast<unsigned long long>(v));
   return (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
 }
 
-__device__ U128 ShuffleXorU128(U128 v, int mask) {
+// The inclusive sum of v over lanes 0 .. this lane. Every lane of the warp
+// calls it.
+__device__ U128 WarpInclusiveSumU128(U128 v) {
   constexpr unsigned kAll = 0xffffffffu;
-  const unsigned long long hi =
-      __shfl_xor_sync(kAll, static_cast<unsigned long long>(v >> 64), mask);
-  const unsigned long long lo =
-      __shfl_xor_sync(kAll, static_cast<unsigned long long>(v), mask);
-  return (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
-}
-
-__device__ U128 ShuffleIdxU128(U128 v, int lane) {
-  constexpr unsigned kAll = 0xffffffffu;
-  const unsigned long long hi =
-      __shfl_sync(kAll, static_cast<unsigned long long>(v >> 64), lane);
-  const unsigned long long lo =
-      __shfl_sync(kAll, static_cast<unsigned long long>(v), lane);
-  return (static_cast<U128>(hi) << 64) + static_cast<U128>(lo);
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const U128 up = ShuffleU128(v, [offset](unsigned long long half) {
+      return __shfl_up_sync(kAll, half, offset);
+    });
+    if (lane >= offset) v += up;
+  }
+  return v;
 }
 
 // Warp 0's scan of the distance bins, lane l summing bins 8l .. 8l + 7:
@@ -1221,12 +1218,7 @@ __device__ int FirstBinReaching(Weight weight, U128 target) {
   const int lane = threadIdx.x & 31;
   U128 sum = 0;
   for (int b = 0; b < kBinsPerLane; ++b) sum += weight(kBinsPerLane * lane + b);
-  U128 inclusive = sum;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const U128 up = ShuffleUpU128(inclusive, offset);
-    if (lane >= offset) inclusive += up;
-  }
+  const U128 inclusive = WarpInclusiveSumU128(sum);
   const unsigned owners = __ballot_sync(kAll, inclusive >= target);
   if (owners == 0u) return -1;
   const int owner = __ffs(owners) - 1;
@@ -1753,8 +1745,11 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (use_top_k) {
           for (int i = lane; i < end; i += 32) known += m.mass[i];
 #pragma unroll
-          for (int offset = 16; offset > 0; offset >>= 1)
-            known += ShuffleXorU128(known, offset);
+          for (int offset = 16; offset > 0; offset >>= 1) {
+            known += ShuffleU128(known, [offset](unsigned long long half) {
+              return __shfl_xor_sync(kAll, half, offset);
+            });
+          }
         } else {
           known = member_mass;
         }
@@ -1766,20 +1761,18 @@ __global__ void __launch_bounds__(kThreads, 2)
         cut_hi = -1;
         for (int base = 0; base < end && cut_hi < 0; base += 32) {
           const int i = base + lane;
-          U128 cum = i < end ? static_cast<U128>(m.mass[i]) : 0;
-#pragma unroll
-          for (int offset = 1; offset < 32; offset <<= 1) {
-            const U128 up = ShuffleUpU128(cum, offset);
-            if (lane >= offset) cum += up;
-          }
-          cum += carry;
+          const U128 cum =
+              WarpInclusiveSumU128(i < end ? static_cast<U128>(m.mass[i]) : 0) +
+              carry;
           const unsigned reach_lo =
               __ballot_sync(kAll, i < end && cum >= target_lo);
           const unsigned reach_hi =
               __ballot_sync(kAll, i < end && cum >= target_hi);
           if (cut < 0 && reach_lo != 0u) cut = base + __ffs(reach_lo) - 1;
           if (reach_hi != 0u) cut_hi = base + __ffs(reach_hi) - 1;
-          carry = ShuffleIdxU128(cum, 31);
+          carry = ShuffleU128(cum, [](unsigned long long half) {
+            return __shfl_sync(kAll, half, 31);
+          });
         }
         if (cut < 0) ok = false;
       }

@@ -276,14 +276,18 @@ class CudaEngine final : public Engine {
   // Queues stage 1 and the token copy of a plain batch of `rows` rows with
   // `num_samples` samples each (the copy on rank 0's stream).
   absl::Status EnqueuePlainBatch(Slot& slot, int rows, int num_samples);
-  // One GPU, one sample a row: EnqueuePlainBatch(slot, rows, 1) (kTokens)
-  // or EnqueueStage1(slot, rows, 1, kUnits) as one graph launch, recorded
-  // into slot.plain_graphs or slot.units_graphs on its first use (call by
-  // call where the driver will not record it).
-  absl::Status LaunchStage1Graph(Slot& slot, int rows, Stage1Output output);
-  // Queues what LaunchStage1Graph replays, call by call.
-  absl::Status EnqueueStage1Graphed(Slot& slot, int rows, Stage1Output output);
-  // Records EnqueueStage1Graphed(slot, rows, output) into `exec`.
+  // Queues a batch's stage 1: EnqueuePlainBatch (kTokens, with the token
+  // copy) or EnqueueStage1 (kLogits, kUnits), call by call.
+  absl::Status EnqueueBatchStage1(Slot& slot, int rows, int num_samples,
+                                  Stage1Output output);
+  // EnqueueBatchStage1 as one graph launch where it can be (one GPU, one
+  // sample a row, kTokens or kUnits; CudaEngineOptions::replay_graphs),
+  // recorded into slot.plain_graphs or slot.units_graphs on that size's
+  // first batch; call by call otherwise, and where the driver will not
+  // record it.
+  absl::Status LaunchBatchStage1(Slot& slot, int rows, int num_samples,
+                                 Stage1Output output);
+  // Records EnqueueBatchStage1(slot, rows, 1, output) into `exec`.
   absl::Status RecordStage1Graph(Slot& slot, int rows, Stage1Output output,
                                  cudaGraphExec_t* exec);
   // The materialized path after stage 1: gathers the logits on rank 0 (tensor
@@ -871,10 +875,12 @@ absl::Status CudaEngine::EnqueuePlainBatch(Slot& slot, int rows,
                "cudaMemcpyAsync(tokens)");
 }
 
-absl::Status CudaEngine::EnqueueStage1Graphed(Slot& slot, int rows,
-                                              Stage1Output output) {
-  return output == Stage1Output::kTokens ? EnqueuePlainBatch(slot, rows, 1)
-                                         : EnqueueStage1(slot, rows, 1, output);
+absl::Status CudaEngine::EnqueueBatchStage1(Slot& slot, int rows,
+                                            int num_samples,
+                                            Stage1Output output) {
+  return output == Stage1Output::kTokens
+             ? EnqueuePlainBatch(slot, rows, num_samples)
+             : EnqueueStage1(slot, rows, num_samples, output);
 }
 
 absl::Status CudaEngine::RecordStage1Graph(Slot& slot, int rows,
@@ -886,7 +892,7 @@ absl::Status CudaEngine::RecordStage1Graph(Slot& slot, int rows,
   FS_RETURN_IF_ERROR(
       Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
             "cudaStreamBeginCapture"));
-  const absl::Status enqueued = EnqueueStage1Graphed(slot, rows, output);
+  const absl::Status enqueued = EnqueueBatchStage1(slot, rows, 1, output);
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
   if (!enqueued.ok() || ended != cudaSuccess) {
@@ -903,8 +909,13 @@ absl::Status CudaEngine::RecordStage1Graph(Slot& slot, int rows,
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::LaunchStage1Graph(Slot& slot, int rows,
+absl::Status CudaEngine::LaunchBatchStage1(Slot& slot, int rows,
+                                           int num_samples,
                                            Stage1Output output) {
+  if (!options_.replay_graphs || ranks_.size() != 1 || num_samples != 1 ||
+      output == Stage1Output::kLogits) {
+    return EnqueueBatchStage1(slot, rows, num_samples, output);
+  }
   Stage1Graphs& graphs =
       output == Stage1Output::kTokens ? slot.plain_graphs : slot.units_graphs;
   const size_t index = static_cast<size_t>(rows) - 1;
@@ -918,7 +929,7 @@ absl::Status CudaEngine::LaunchStage1Graph(Slot& slot, int rows,
       graphs.refused[index] = 1;
     }
   }
-  if (exec == nullptr) return EnqueueStage1Graphed(slot, rows, output);
+  if (exec == nullptr) return EnqueueBatchStage1(slot, rows, 1, output);
   if (options_.graph_launches_for_tests != nullptr) {
     options_.graph_launches_for_tests->fetch_add(1);
   }
@@ -1265,12 +1276,8 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
     return SampleControlled(slot, batch, by_controls, units_serve,
                             stage1_samples, num_samples, max_top_n, results);
   }
-  if (options_.replay_graphs && ranks_.size() == 1 && num_samples == 1) {
-    FS_RETURN_IF_ERROR(
-        LaunchStage1Graph(slot, batch.rows, Stage1Output::kTokens));
-  } else {
-    FS_RETURN_IF_ERROR(EnqueuePlainBatch(slot, batch.rows, num_samples));
-  }
+  FS_RETURN_IF_ERROR(
+      LaunchBatchStage1(slot, batch.rows, num_samples, Stage1Output::kTokens));
   FS_RETURN_IF_ERROR(WaitForBatch(slot));
   for (int i = 0; i < batch.rows; ++i) {
     if (!valid[i]) continue;
@@ -1333,16 +1340,11 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     options_.unit_batches_for_tests->fetch_add(1);
   }
   ControlledOutputLayout layout;
-  if (from_units && options_.replay_graphs && stage1_samples == 1) {
-    // The sampler's launches follow the graph call by call: its packed
-    // controls differ from batch to batch.
-    FS_RETURN_IF_ERROR(
-        LaunchStage1Graph(slot, batch.rows, Stage1Output::kUnits));
-  } else {
-    FS_RETURN_IF_ERROR(EnqueueStage1(
-        slot, batch.rows, stage1_samples,
-        from_units ? Stage1Output::kUnits : Stage1Output::kLogits));
-  }
+  // The sampler's launches follow call by call: its packed controls differ
+  // from batch to batch.
+  FS_RETURN_IF_ERROR(LaunchBatchStage1(
+      slot, batch.rows, stage1_samples,
+      from_units ? Stage1Output::kUnits : Stage1Output::kLogits));
   FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
                                    max_top_n, from_units, &layout));
   bool keeps_stage1 = false;
