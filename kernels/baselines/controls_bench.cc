@@ -6,7 +6,8 @@
 // over them. The unfused baseline is cuBLAS's GEMM with fp32 logits and the
 // same exact sampler. "units_*" is the candidate path from the fused
 // kernel's unit candidates instead of its logits (the CUDA engine's path for
-// rows without per-token controls or logprobs); its full-pass-rows column is
+// rows whose sets a filter closes; with a bitmask or per-token entries the
+// units rank by token classes); its full-pass-rows column is
 // the share of rows it could not certify, which the engine samples again
 // from materialized logits. Median of --iters calls after --warmup calls, L2
 // flushed before each (bench_common.h). Writes results_controls.csv into
@@ -193,7 +194,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   void* controlled_workspace = nullptr;
   void* plan_bytes = nullptr;
   UnitRecord* unit_records = nullptr;
-  uint32_t* unit_row_maxima = nullptr;  // [2][max_batch]: bound, then top
+  uint32_t* unit_row_maxima = nullptr;     // [2][max_batch]: bound, then top
+  uint32_t* unit_token_classes = nullptr;  // [max_batch][class words]
   int32_t* out_tokens = nullptr;
   float* out_logprobs = nullptr;
   int32_t* out_top_ids = nullptr;
@@ -229,6 +231,9 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   BENCH_CHECK(cudaMalloc(&unit_records, sizeof(UnitRecord) * batch_units));
   BENCH_CHECK(cudaMalloc(&unit_row_maxima, unit_maxima_bytes));
   BENCH_CHECK(cudaMemset(unit_row_maxima, 0, unit_maxima_bytes));
+  BENCH_CHECK(cudaMalloc(&unit_token_classes,
+                         sizeof(uint32_t) * max_batch *
+                             static_cast<size_t>(UnitClassWordsPerRow(vocab))));
   BENCH_CHECK(cudaMalloc(&out_tokens, sizeof(int32_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&out_logprobs, sizeof(float) * max_batch));
   BENCH_CHECK(cudaMalloc(&out_top_ids, sizeof(int32_t) * max_batch * kMaxTopN));
@@ -281,14 +286,20 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                              stream);
   };
   // The unit candidates instead of logits, rows greedy, each row's tail
-  // mass summed at `tails` (1 / 0.8, or 0 for none): what the CUDA engine
+  // mass summed at `tails` (1 / 0.8, or 0 for none), ranked by `classes`
+  // where not null (the entries' logits to `logits`): what the CUDA engine
   // launches for a batch its units can serve.
-  auto fused_units = [&](const void* h, int batch, const float* tails) {
+  auto fused_units = [&](const void* h, int batch, const float* tails,
+                         const uint32_t* classes) {
     FusedSampleParams params = fused_params(h, batch, greedy_inv_temperature);
     params.unit_candidates.records = unit_records;
     params.unit_candidates.row_bound = unit_row_maxima;
     params.unit_candidates.row_top = unit_row_maxima + max_batch;
     params.unit_candidates.tail_inv_temperature = tails;
+    if (classes != nullptr) {
+      params.unit_candidates.token_classes = classes;
+      params.unit_candidates.entry_logits = logits;
+    }
     return LaunchFusedSample(params, fused_workspace, fused_workspace_bytes,
                              stream);
   };
@@ -361,7 +372,9 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         !time("fused_logits_out_sampled",
               [&] { return fused(peaked, batch, logits, inv_temperature); }) ||
         !time("fused_units_out",
-              [&] { return fused_units(peaked, batch, inv_temperature); }) ||
+              [&] {
+                return fused_units(peaked, batch, inv_temperature, nullptr);
+              }) ||
         !time("cublas_only", [&] {
           return CublasLogits(cublas, weights, peaked, DType::kBf16, vocab,
                               hidden, batch, logits, DType::kBf16, stream);
@@ -408,6 +421,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                                    controls.top_p, vocab)
               ? inv_temperature
               : greedy_inv_temperature;
+      // Bitmask and per-token entries: the units rank by token classes.
+      if (controls.everything) units.token_classes = unit_token_classes;
       auto sample = [&] {
         return LaunchControlledSample(params, controlled_workspace,
                                       controlled_workspace_bytes, stream);
@@ -434,20 +449,26 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                   return error != cudaSuccess ? error : sample();
                 }) ||
           !record_fallback() ||
-          // The units' candidate path, where the controls allow it; its
-          // uncertified rows would take the path above as well.
-          (!controls.everything &&
-           (!time("units_" + controls.name,
-                  [&] {
-                    const cudaError_t error =
-                        fused_units(h, batch, units.tail_inv_temperature);
-                    return error != cudaSuccess
-                               ? error
-                               : LaunchControlledSampleFromUnits(
-                                     params, units, controlled_workspace,
-                                     controlled_workspace_bytes, stream);
-                  }) ||
-            !record_fallback())) ||
+          // The units' candidate path; its uncertified rows would take the
+          // path above as well.
+          !time("units_" + controls.name,
+                [&] {
+                  cudaError_t error =
+                      units.token_classes == nullptr
+                          ? cudaSuccess
+                          : LaunchUnitTokenClasses(params, unit_token_classes,
+                                                   stream);
+                  if (error == cudaSuccess) {
+                    error = fused_units(h, batch, units.tail_inv_temperature,
+                                        units.token_classes);
+                  }
+                  return error != cudaSuccess
+                             ? error
+                             : LaunchControlledSampleFromUnits(
+                                   params, units, controlled_workspace,
+                                   controlled_workspace_bytes, stream);
+                }) ||
+          !record_fallback() ||
           !time("sampler_only_" + controls.name, sample) ||
           !time("cublas_" + controls.name,
                 [&] {
@@ -503,9 +524,10 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         static_cast<void*>(out_certified)}) {
     BENCH_CHECK(cudaFree(pointer));
   }
-  for (void* pointer : {static_cast<void*>(greedy_inv_temperature),
-                        static_cast<void*>(unit_records),
-                        static_cast<void*>(unit_row_maxima)}) {
+  for (void* pointer :
+       {static_cast<void*>(greedy_inv_temperature),
+        static_cast<void*>(unit_records), static_cast<void*>(unit_row_maxima),
+        static_cast<void*>(unit_token_classes)}) {
     BENCH_CHECK(cudaFree(pointer));
   }
   return true;

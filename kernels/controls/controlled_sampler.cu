@@ -583,6 +583,9 @@ static_assert(kMergeCandidateRoom + kMergeEntryRoom <= 65536,
               "the merge kernel's 32-bit sums of 16-bit mass quarters");
 // The most candidates the merge kernel sorts (the top_k / top_p prefix).
 constexpr int kMergeSortCapacity = 2048;
+// The most samples a row the merge kernel takes; rows with more take the
+// full passes.
+constexpr int kMergeSampleRoom = 64;
 
 constexpr int32_t kChunkTruncated = 1;  // eligible tokens were left out
 constexpr int32_t kChunkNonFinite = 2;  // a raw logit is not finite
@@ -1076,26 +1079,6 @@ __device__ UnseenMass UnseenMassBounds(
   return UnseenMassFromSums(tail, BlockMassSum(hi, lo, sh), floor, vocab);
 }
 
-// The processed logit x of `id` (the full pass's transform for one token):
-// its entry's SpecialLogit when it has one, else l * (1 / T) after the mask.
-__device__ float ProcessedLogitOf(const ControlledSampleParams& p,
-                                  const ControlledRow& c, const float* z,
-                                  const uint32_t* bitmask, float inv_t,
-                                  int32_t id) {
-  const int64_t lo = controls::SpecialLowerBound(p.special_ids, c.special_begin,
-                                                 c.special_end, id);
-  const bool disallowed = controls::Disallowed(bitmask, id);
-  if (lo < c.special_end && p.special_ids[lo] == id) {
-    return controls::ScaledLogit(
-        controls::SpecialLogit(z[id], disallowed, p.special_flags[lo],
-                               p.special_bias[lo], p.special_count[lo],
-                               c.repetition_penalty, c.frequency_penalty,
-                               c.presence_penalty),
-        inv_t);
-  }
-  return controls::ScaledLogit(disallowed ? controls::kNegInf : z[id], inv_t);
-}
-
 // The merge kernel's shared memory, followed by the row's candidate slots
 // (MergeCandidateBytes). The candidates live in shared memory and are
 // visited by rolled loops so that the kernel's code stays small: this one
@@ -1127,6 +1110,8 @@ struct MergeShared {
   int gathered;
   double unit_tail;
   double unit_written;
+  // Each computed sample's processed logit (the sampled logprob's).
+  float sample_x[kMergeSampleRoom];
   int sorted_count;
   int select_bin;
   int cut_index;     // survivors: sorted[0 .. cut_index]
@@ -1243,7 +1228,6 @@ __device__ int FirstBinReaching(Weight weight, U128 target) {
 struct UnitGather {
   int count;       // candidates gathered, all keyed above `bound`
   uint32_t bound;  // the row's highest unit bound: 0 when none left any out
-  float x_max;     // the row's largest processed logit
 };
 
 // Visits this thread's share of row r's unit records, q = threadIdx.x +
@@ -1300,27 +1284,34 @@ __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
 // top_p rows, sums the mass below the bound. More of them than `room`
 // (small vocabularies, flat rows): a histogram of their distance bins picks
 // the highest bins that fit, and the bound rises to the highest key left
-// out, as the chunk kernel's cut does. False (in every thread) where the
-// row cannot be certified here: a bitmask, per-token entries or logprobs
-// (they need every logit), a non-finite logit, a maximum not above every
-// bound, a tail summed at another temperature, or a closest bin alone over
-// `room`. use_min_p and want_tail (top_p that top_k does not bound) are the
-// merge kernel's filters of the row. Every thread calls it.
+// out, as the chunk kernel's cut does. The units rank the row's allowed
+// tokens without per-token entries (UnitCandidates::token_classes); the
+// entries, with their maximum in x_max, are the merge kernel's. False (in
+// every thread) where the row cannot be certified here: a bitmask or
+// per-token entries the units did not leave out (no token classes), raw
+// logprobs (the mass of every token), a non-finite logit, a maximum not
+// above every bound, a tail summed at another temperature, or a closest bin
+// alone over `room`. use_min_p and want_tail (top_p that top_k does not
+// bound) are the merge kernel's filters of the row, x_max its largest
+// processed logit. Every thread calls it.
 __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
                                      const ControlledUnits& u,
                                      const ControlledRow& c, int r, float inv_t,
-                                     bool use_min_p, bool want_tail,
-                                     float* cand_raw, int32_t* cand_id,
-                                     int room, MergeShared& m, UnitGather* g) {
+                                     float x_max, bool use_min_p,
+                                     bool want_tail, float* cand_raw,
+                                     int32_t* cand_id, int room, MergeShared& m,
+                                     UnitGather* g) {
   const uint32_t unit_bound = m.unit_row_bound;
   const uint32_t top = m.unit_row_top;
-  if (c.bitmask_offset >= 0 || c.special_begin != c.special_end ||
-      WantsLogprobs(c) || unit_bound == kUnitNonFinite || !(top > unit_bound) ||
+  const bool filtered =
+      c.bitmask_offset >= 0 || c.special_begin != c.special_end;
+  if ((filtered && !u.token_classes) ||
+      (WantsLogprobs(c) && (c.logprob_flags & kLogprobRaw) != 0) ||
+      unit_bound == kUnitNonFinite || !(top > unit_bound) ||
       (want_tail && (u.tail_inv_temperature == nullptr ||
                      u.tail_inv_temperature[r] != inv_t))) {
     return false;
   }
-  const float x_max = controls::ScaledLogit(controls::KeyValue(top), inv_t);
   const float floor =
       use_min_p ? controls::MinPFloor(x_max, c.log_min_p) : controls::kNegInf;
   const int64_t units = UnitsPerRow(p.vocab);
@@ -1427,7 +1418,6 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
   if (bad) return false;
   g->count = count;
   g->bound = bound;
-  g->x_max = x_max;
   return true;
 }
 
@@ -1475,7 +1465,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       (want_lse && p.logsumexp == nullptr) ||
       (top_n > 0 && (p.top_token_ids == nullptr || p.top_logprobs == nullptr ||
                      p.top_count == nullptr)) ||
-      entries > kMergeEntryRoom ||
+      entries > kMergeEntryRoom || c.n > kMergeSampleRoom ||
       w.chunks * kChunkCandidates > kMergeCandidateRoom) {
     return;  // the full passes report or take it
   }
@@ -1496,15 +1486,48 @@ __global__ void __launch_bounds__(kThreads, 2)
       reinterpret_cast<float*>(dynamic_shared + sizeof(MergeShared));
   int32_t* const cand_id = reinterpret_cast<int32_t*>(cand_raw + room);
   int32_t* const chunk_written = cand_id + room;
+  // The row's per-token entries at their exact processed values, read from
+  // the logits (on the units' path, the fused kernel wrote the entries'
+  // alone: UnitCandidates::entry_logits). entries_max: their largest x, +inf
+  // where one is NaN or +inf (the full passes report those).
+  const uint32_t* bitmask =
+      c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
+  float entries_max = controls::kNegInf;
+  for (int64_t k = tid; k < entries; k += kThreads) {
+    const int64_t e = c.special_begin + k;
+    const int32_t id = p.special_ids[e];
+    const float zi = z[id];
+    const bool disallowed = controls::Disallowed(bitmask, id);
+    const float x = controls::ScaledLogit(
+        controls::SpecialLogit(zi, disallowed, p.special_flags[e],
+                               p.special_bias[e], p.special_count[e],
+                               c.repetition_penalty, c.frequency_penalty,
+                               c.presence_penalty),
+        inv_t);
+    m.entry_id[k] = id;
+    m.entry_x[k] = x;
+    m.entry_raw[k] =
+        (disallowed || (p.special_flags[e] & controls::kSpecialBanned))
+            ? controls::kNegInf
+            : zi;
+    entries_max =
+        controls::IsNan(x) ? controls::kPosInf : fmaxf(entries_max, x);
+  }
   int slots = room;
   bool outside = false;  // tokens the merge cannot see
   uint32_t bound_key = 0u;
   UnitGather gathered{};
+  float x_max = controls::kNegInf;  // the row's largest processed logit
   if constexpr (kFromUnits) {
+    // The units' highest key, or an entry's x. The reduction's barrier also
+    // publishes the entries.
+    x_max =
+        fmaxf(controls::ScaledLogit(controls::KeyValue(m.unit_row_top), inv_t),
+              BlockReduce(entries_max, MaxFloat{}, sh));
     // UnitTailWanted is use_top_p && !use_top_k: the rows whose tails the
     // engine asks the fused kernel for.
     if (!GatherUnitCandidates(
-            p, u, c, r, inv_t, use_min_p,
+            p, u, c, r, inv_t, x_max, use_min_p,
             controls::UnitTailWanted(c.temperature, c.top_k, c.top_p, vocab),
             cand_raw, cand_id, room, m, &gathered)) {
       return;
@@ -1556,25 +1579,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float raw_bound =
       outside ? controls::KeyValue(bound_key) : controls::kNegInf;
   const float x_bound = controls::ScaledLogit(raw_bound, inv_t);
-  const uint32_t* bitmask =
-      c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
-  for (int64_t k = tid; k < entries; k += kThreads) {
-    const int64_t e = c.special_begin + k;
-    const int32_t id = p.special_ids[e];
-    const float zi = z[id];
-    const bool disallowed = controls::Disallowed(bitmask, id);
-    m.entry_id[k] = id;
-    m.entry_x[k] = controls::ScaledLogit(
-        controls::SpecialLogit(zi, disallowed, p.special_flags[e],
-                               p.special_bias[e], p.special_count[e],
-                               c.repetition_penalty, c.frequency_penalty,
-                               c.presence_penalty),
-        inv_t);
-    m.entry_raw[k] =
-        (disallowed || (p.special_flags[e] & controls::kSpecialBanned))
-            ? controls::kNegInf
-            : zi;
-  }
   for (int b = tid; b < kDistanceBins; b += kThreads) {
     m.bin_count[b] = 0u;
     for (int k = 0; k < 4; ++k) m.bin_mass_quarter[k][b] = 0u;
@@ -1598,9 +1602,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   };
 
   // x_max, and no NaN or +inf (the full passes report those). The units
-  // know theirs: the scaled highest key, every candidate finite (x = l / T,
-  // T > 0, is NaN nowhere and +inf at most at the maximum).
-  float x_max = gathered.x_max;
+  // know theirs: the scaled highest key or an entry's, every candidate
+  // finite (x = l / T, T > 0, is NaN nowhere and +inf at most at the
+  // maximum).
   unsigned long long bad = x_max == controls::kPosInf;
   if constexpr (!kFromUnits) {
     float local_max = controls::kNegInf;
@@ -1807,6 +1811,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int computed = greedy ? 1 : c.n;
   for (int j = 0; j < computed; ++j) {
     unsigned long long best = 0;
+    float best_x = 0.0f;  // best's processed logit
     auto consider = [&](float x, int32_t id) {
       unsigned long long key;
       if (greedy) {
@@ -1816,7 +1821,10 @@ __global__ void __launch_bounds__(kThreads, 2)
                                     static_cast<uint32_t>(id));
         key = controls::PackedKey(controls::FoldZero(FS_FADD(x, g)), id);
       }
-      best = key > best ? key : best;
+      if (key > best) {
+        best = key;
+        best_x = x;
+      }
     };
     if (prefix) {
       for (int i = tid; i < survivors; i += kThreads) {
@@ -1830,6 +1838,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     const unsigned long long winner = BlockReduce(best, MaxU64{}, sh);
     if (winner == 0) return;
+    // Keys are distinct (they carry the id): one thread holds the winner.
+    if (best == winner) m.sample_x[j] = best_x;
     if (!greedy && !closed &&
         !(controls::PackedKeyValue(winner) > unseen_best)) {
       return;
@@ -1935,10 +1945,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (tid == 0) {
       if (want_lse) p.logsumexp[r] = static_cast<float>(lse);
       if (want_sampled) {
+        // The logprobs' reductions above published sample_x. The units'
+        // path takes no raw-mode row (GatherUnitCandidates).
         for (int k = 0; k < c.n; ++k) {
-          const int32_t id = tokens[k];
-          const float v =
-              raw_mode ? z[id] : ProcessedLogitOf(p, c, z, bitmask, inv_t, id);
+          const float v = raw_mode ? z[tokens[k]] : m.sample_x[greedy ? 0 : k];
           p.sampled_logprobs[static_cast<int64_t>(r) * p.max_samples + k] =
               static_cast<float>(static_cast<double>(v) - lse);
         }
@@ -1951,6 +1961,37 @@ __global__ void __launch_bounds__(kThreads, 2)
     p.error_token[r] = -1;
     w.done[r] = 1;
     if (p.certified != nullptr) p.certified[r] = 1;
+  }
+}
+
+// One block per row: the row's UnitCandidates::token_classes words, its
+// allowed bitmask's bits (every token without one) as ranked, then each
+// per-token entry moved from ranked to entry. Rows past `vocab` in the last
+// word have neither bit.
+__global__ void __launch_bounds__(kThreads)
+    UnitTokenClassesKernel(const ControlledSampleParams p,
+                           uint32_t* __restrict__ classes) {
+  const int r = blockIdx.x;
+  const ControlledRow c = p.row_controls[r];
+  const int64_t words = UnitClassWordsPerRow(p.vocab);
+  uint32_t* row = classes + r * words;
+  const uint32_t* bitmask =
+      c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
+  for (int64_t j = threadIdx.x; j < words; j += kThreads) {
+    uint32_t ranked = bitmask == nullptr
+                          ? 0xffffu
+                          : (bitmask[j / 2] >> (16 * (j % 2))) & 0xffffu;
+    const int64_t left = p.vocab - 16 * j;
+    if (left < 16) ranked &= (1u << left) - 1u;
+    row[j] = ranked;
+  }
+  __syncthreads();
+  for (int64_t e = c.special_begin + threadIdx.x; e < c.special_end;
+       e += kThreads) {
+    const int32_t id = p.special_ids[e];
+    const uint32_t bit = 1u << (id % 16);
+    atomicAnd(row + id / 16, ~bit);
+    atomicOr(row + id / 16, bit << 16);
   }
 }
 
@@ -2166,15 +2207,31 @@ cudaError_t LaunchControlledSampleFromUnits(
   if (params.rows < 0) return cudaErrorInvalidValue;
   if (params.rows == 0) return cudaSuccess;
   CandidateLaunch launch;
-  const cudaError_t error =
-      PrepareLaunch(params, workspace, workspace_bytes,
-                    params.certified != nullptr && units.records != nullptr &&
-                        units.row_bound != nullptr && units.row_top != nullptr,
-                    &launch);
+  const cudaError_t error = PrepareLaunch(
+      params, workspace, workspace_bytes,
+      params.certified != nullptr && units.records != nullptr &&
+          units.row_bound != nullptr && units.row_top != nullptr &&
+          (units.token_classes == nullptr ||
+           (params.logits != nullptr &&
+            params.logits_row_stride >= params.vocab)),
+      &launch);
   if (error != cudaSuccess) return error;
   if (!launch.fits) return cudaErrorNotSupported;
   return LaunchMerge<true>(params, launch.candidates, units,
                            launch.shared_bytes, stream);
+}
+
+cudaError_t LaunchUnitTokenClasses(const ControlledSampleParams& params,
+                                   uint32_t* classes, cudaStream_t stream) {
+  if (params.rows < 0 || params.vocab < 1 || params.vocab > 0x7fffffff ||
+      (params.rows > 0 &&
+       (classes == nullptr || params.row_controls == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (params.rows == 0) return cudaSuccess;
+  UnitTokenClassesKernel<<<static_cast<unsigned>(params.rows), kThreads, 0,
+                           stream>>>(params, classes);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchControlledFixedMassProbe(const float* x, int64_t count,

@@ -53,15 +53,29 @@ struct ControlledUnits {
   // UnitCandidates::tail_inv_temperature): a top_p row whose value differs
   // from the row's own is not certified.
   const float* tail_inv_temperature = nullptr;
+  // The token classes the kernel ranked by (UnitCandidates::token_classes,
+  // from LaunchUnitTokenClasses over these params), or null: a row with a
+  // bitmask or per-token entries is then not certified.
+  const uint32_t* token_classes = nullptr;
 };
 
+// The fused kernel's UnitCandidates::token_classes for params' rows
+// ([rows][UnitClassWordsPerRow(vocab)] at `classes`): each row's allowed
+// tokens without per-token entries ranked, its entries' logits kept.
+// Needs params' rows, vocab and controls alone.
+cudaError_t LaunchUnitTokenClasses(const ControlledSampleParams& params,
+                                   uint32_t* classes, cudaStream_t stream);
+
 // The candidate path without the logits: the merge kernel over the units'
-// candidates above the row's highest unit bound; params.logits is not read.
+// candidates above the row's highest unit bound. params.logits is read at
+// the rows' per-token entries alone (the fused kernel's
+// UnitCandidates::entry_logits), and only where units.token_classes is set.
 // A row the merge certifies gets its tokens, outputs, status kControlledOk
 // and certified = 1; every other row gets certified = 0 and nothing else,
 // and the caller samples it with LaunchControlledSample over its logits. A
-// row with a bitmask, per-token entries (bias, bans, penalized ids) or
-// logprobs is never certified here: it needs every logit. Returns
+// row with a bitmask or per-token entries (bias, bans, penalized ids) is
+// certified here only where the fused kernel ranked by token classes; a
+// row with raw logprobs (the mass of every token) never is. Returns
 // cudaErrorNotSupported where the candidate path cannot run (V > 262144, or
 // a device without the merge kernel's shared memory),
 // cudaErrorInvalidValue for bad arguments (as LaunchControlledSample;

@@ -989,10 +989,13 @@ __device__ __forceinline__ void StoreStagedQuadLogits(const float* staging,
 
 // controls::OrderKey(FoldZero(v)) (kernels/controls/controlled_math.h):
 // the float's bits made monotone, -0 as +0.
+// v + 0 is +0 for -0 and v otherwise (round to nearest), and the sign's
+// mask flips the bits of a negative value: one FADD, one shift and one
+// LOP3, without a compare or a select.
 __device__ __forceinline__ uint32_t UnitOrderKey(float v) {
-  if (v == 0.0f) v = 0.0f;
-  const uint32_t bits = __float_as_uint(v);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  const uint32_t bits = __float_as_uint(__fadd_rn(v, 0.0f));
+  const uint32_t sign = static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31);
+  return bits ^ (sign | 0x80000000u);
 }
 
 // The inverse of UnitOrderKey.
@@ -1005,7 +1008,9 @@ __device__ __forceinline__ float UnitKeyValue(uint32_t key) {
 // and row0 + 64 + {0..15}, one unit (slots 0-15 and 16-31). A logit ranks by
 // its order key with the low 5 bits replaced by its slot, so that the keys
 // are distinct and carry their slots: each lane keeps the top 5 of its 16
-// (a row past the shard's end keys 0), the pair merges the two lists, and
+// (a row past the shard's end, or one token_classes does not rank, keys 0
+// and is in no tail; an entry's logit goes to entry_logits), the pair
+// merges the two lists, and
 // the pair writes the unit's record: the logits of the top 4 whose key,
 // slot bits aside, is above the 5th's, and that 5th's key with its low 5
 // bits set as the bound (every logit left out is at or below it). A record
@@ -1028,8 +1033,23 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   const int64_t rows_left = args.vocab_rows - (row0 + 64 * half);
   const int valid =
       rows_left <= 0 ? 0 : (rows_left < 16 ? static_cast<int>(rows_left) : 16);
+  // Bit i: the lane's row i is ranked; bit 16 + i: its logit is an entry's
+  // (UnitCandidates::token_classes). Every row ranked without the array.
+  uint32_t classes = 0xffffu;
+  if (args.unit_candidates.token_classes != nullptr && b < args.batch &&
+      valid > 0) {
+    classes = args.unit_candidates
+                  .token_classes[b * UnitClassWordsPerRow(args.vocab_rows) +
+                                 (row0 + 64 * half) / 16];
+  }
+  // Bit i: row i is in the shard and ranked.
+  const uint32_t ranked =
+      classes & (valid >= 16 ? 0xffffu : (1u << valid) - 1u);
+  const uint32_t slot_base = 16u * static_cast<uint32_t>(half);
   uint32_t top[5] = {0u, 0u, 0u, 0u, 0u};
-  float sum = 0.0f;  // NaN or infinite when a logit is
+  // NaN or infinite when a logit is; rows past the shard's end add their
+  // zeros.
+  float sum = 0.0f;
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const float4 run =
@@ -1039,13 +1059,12 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
     for (int k = 0; k < 4; ++k) {
       const int i = 4 * q + k;
       const float v = run_values[k];
-      const bool in_shard = i < valid;
-      sum = __fadd_rn(sum, in_shard ? v : 0.0f);
-      const uint32_t slot = static_cast<uint32_t>(16 * half + i);
+      sum = __fadd_rn(sum, v);
       // A unit with a non-finite logit writes kUnitNonFinite as its bound,
       // and the merge kernel reads nothing else of such a row: such a
       // logit's key need not be kept out of the list.
-      uint32_t key = in_shard ? (UnitOrderKey(v) & ~kSlotBits) | slot : 0u;
+      uint32_t key = (UnitOrderKey(v) & ~kSlotBits) | (slot_base + i);
+      if ((ranked & (1u << i)) == 0u) key = 0u;
 #pragma unroll
       for (int j = 0; j < 5; ++j) {
         const uint32_t high = max(top[j], key);
@@ -1094,18 +1113,37 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
     const float top_scaled = __fmul_rn(UnitKeyValue(bound), inv_t);
     float cut_value = UnitKeyValue(cut | kSlotBits);
     if (cut_value == 0.0f) cut_value = -__int_as_float(1);
+      // Read again as the selection read them, four floats a load: one
+      // float a load put the pair's lanes of 4 columns on each bank.
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float v = column_values[16 * half + i];
-      if (i < valid && v <= cut_value) {
-        tail =
-            __fadd_rn(tail, __expf(__fsub_rn(__fmul_rn(v, inv_t), top_scaled)));
+    for (int q = 0; q < 4; ++q) {
+      const float4 run =
+          *reinterpret_cast<const float4*>(column_values + 16 * half + 4 * q);
+      const float run_values[4] = {run.x, run.y, run.z, run.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float v = run_values[k];
+        if ((ranked & (1u << (4 * q + k))) != 0u && v <= cut_value) {
+          tail = __fadd_rn(tail,
+                           __expf(__fsub_rn(__fmul_rn(v, inv_t), top_scaled)));
+        }
       }
     }
   }
   tail = __fadd_rn(tail, __shfl_xor_sync(kAll, tail, 1));
   if (b >= args.batch) return;  // both lanes of the pair
   const UnitCandidates& out = args.unit_candidates;
+  if ((classes >> 16) != 0u) {
+    // The entries' raw logits, for the merge kernel (rows past the shard's
+    // end have no class bits).
+    float* row_logits =
+        out.entry_logits + b * args.vocab_rows + row0 + 64 * half;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if ((classes >> (16 + i)) & 1u)
+        row_logits[i] = column_values[16 * half + i];
+    }
+  }
   const int64_t unit = row0 / 128 * kUnitsPerTile + row0 % 128 / 16;
   const int64_t at = b * UnitsPerRow(args.vocab_rows) + unit;
   const uint32_t record_bound = non_finite ? kUnitNonFinite : bound;

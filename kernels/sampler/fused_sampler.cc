@@ -352,7 +352,8 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   const UnitCandidates& units = params.unit_candidates;
   if (units.records != nullptr &&
       (units.row_bound == nullptr || units.row_top == nullptr ||
-       (reinterpret_cast<uintptr_t>(units.records) & 31u) != 0)) {
+       (reinterpret_cast<uintptr_t>(units.records) & 31u) != 0 ||
+       (units.token_classes != nullptr && units.entry_logits == nullptr))) {
     return cudaErrorInvalidValue;
   }
   const FusedTuning& tuning = params.tuning;

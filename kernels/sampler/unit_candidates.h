@@ -75,7 +75,23 @@ struct UnitCandidates {
   // [batch] 1 / T of each row whose tail mass is wanted, 0 (or a null
   // array) for none.
   const float* tail_inv_temperature = nullptr;
+  // Optional [batch][UnitClassWordsPerRow(shard rows)]: which tokens the
+  // units rank. Word j of a row covers shard rows 16 j .. 16 j + 15: bit i
+  // (0-15) set where row 16 j + i is ranked (allowed, with no per-token
+  // entry), bit 16 + i where its raw logit goes to entry_logits instead (a
+  // per-token entry, which the merge kernel adds at its processed value).
+  // A token with neither is masked: in no record, no tail. Null: every
+  // token ranked.
+  const uint32_t* token_classes = nullptr;
+  // [batch][shard rows] fp32, written at the entry tokens' rows alone;
+  // needed where token_classes is set.
+  float* entry_logits = nullptr;
 };
+
+// Words of UnitCandidates::token_classes per row of a shard of `vocab_rows`.
+FS_HOST_DEVICE int64_t UnitClassWordsPerRow(int64_t vocab_rows) {
+  return (vocab_rows + 15) / 16;
+}
 
 // Units per row of a shard of `vocab_rows` rows.
 FS_HOST_DEVICE int64_t UnitsPerRow(int64_t vocab_rows) {

@@ -32,8 +32,13 @@ bool NeedsControlledSampler(const SamplingParams& p) {
          p.min_p > 0.0f || p.logprobs.any();
 }
 
-bool ServedFromUnitCandidates(const SamplingParams& p) {
-  return !p.has_token_transforms() && !p.logprobs.any();
+bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab) {
+  if (p.logprobs.any()) {
+    if (p.logprobs.raw || p.greedy()) return false;
+  } else if (p.greedy() || !p.has_token_transforms()) {
+    return true;
+  }
+  return (p.top_k > 0 && p.top_k < vocab) || p.top_p < 1.0f || p.min_p > 0.0f;
 }
 
 absl::Status ValidateCudaRow(const SamplingParams& p, int64_t vocab) {

@@ -56,11 +56,17 @@ inline constexpr char kMaterializedLogitsFallback[] = "materialized_logits";
 // logits can (docs/design.md#exactness-and-refusals).
 bool NeedsControlledSampler(const SamplingParams& p);
 
-// True when the row's controls are temperature, top_k, top_p, min_p and n
-// alone: the controlled sampler's candidate path can take it from the fused
-// kernel's unit candidates, without its logits (no bitmask, ban, bias or
-// penalty changes a logit, and no logprobs need every one).
-bool ServedFromUnitCandidates(const SamplingParams& p);
+// True when the controlled sampler's candidate path can take the row from
+// the fused kernel's unit candidates, without its logits: temperature,
+// top_k, top_p, min_p and n alone, or greedy with per-token transforms
+// (bias, bans, bitmask, penalties: the units leave those tokens out and the
+// merge kernel adds them at their exact values), or transforms and
+// processed logprobs under a filter that closes the set (top_k below V,
+// top_p, min_p). Raw logprobs (every allowed token's mass) and a greedy
+// row's logprobs (over every token) need the logits, and so does a sampled
+// row with transforms and no such filter, whose open set the units would
+// rarely certify.
+bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab);
 
 // The CPU sampler's row checks (ValidateSamplingParams with
 // SamplingRules::Engine(), the same messages), plus the engine's own limits

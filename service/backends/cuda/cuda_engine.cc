@@ -16,12 +16,13 @@
 // batch's other rows keep stage 1's tokens. It costs 4 * V bytes written
 // per row plus the controlled kernel's passes over them (at V = 151936:
 // 0.6 MB written, a few MB read per row) where the fused path writes none.
-// On one GPU with the wgmma kernel, a batch whose controlled rows use
-// temperature, top_k, top_p, min_p and n alone writes only each 32-token
-// unit's highest logits instead
-// (FusedSampleParams::unit_candidates), and the controlled sampler's
-// candidate path samples from them; a batch with a row it cannot certify
-// then takes the materialized path above.
+// On one GPU with the wgmma kernel, a batch whose controlled rows the units
+// can serve (ServedFromUnitCandidates) writes only each 32-token unit's
+// highest logits instead (FusedSampleParams::unit_candidates; with
+// bitmasks or per-token entries, ranked by the rows' token classes, the
+// entries' logits written alone), and the controlled sampler's candidate
+// path samples from them; a batch with a row it cannot certify then takes
+// the materialized path above.
 #include "service/backends/cuda/cuda_engine.h"
 
 #include <cuda_runtime.h>
@@ -197,6 +198,10 @@ struct Slot {
   // kernel resets them); null where the engine does not take that path.
   UnitRecord* unit_records = nullptr;
   uint32_t* unit_row_maxima = nullptr;
+  // [max_batch_rows, UnitClassWordsPerRow(V)]: the token classes the units
+  // rank by in a batch with bitmasks or per-token entries (their entries'
+  // logits land in `logits`).
+  uint32_t* unit_token_classes = nullptr;
   void* controlled_workspace = nullptr;  // the controlled sampler's x = l / T
   void* host_plan = nullptr;             // pinned, kControlledPlanBudgetBytes
   void* device_plan = nullptr;           // kControlledPlanBudgetBytes
@@ -262,10 +267,11 @@ class CudaEngine final : public Engine {
   absl::Status DeviceMalloc(size_t rank, void** ptr, size_t bytes,
                             const char* what);
   // What stage 1 writes besides its tokens.
-  enum class Stage1Output { kTokens, kLogits, kUnits };
+  enum class Stage1Output { kTokens, kLogits, kUnits, kClassifiedUnits };
   // Stage 1 over rows [first_row, first_row + rows); kLogits also makes it
   // write the fp32 logits (the materialized path), kUnits the unit
-  // candidates (one GPU).
+  // candidates (one GPU), kClassifiedUnits those ranked by the slot's token
+  // classes, with the entries' logits.
   absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples,
                         Stage1Output output);
   // Queues the copy of the staging buffer's first `rows` rows (and every
@@ -297,11 +303,29 @@ class CudaEngine final : public Engine {
   // greedy rows whose outputs are ignored.
   // `from_units`: the candidate path over the slot's unit candidates
   // instead (LaunchControlledSampleFromUnits); rows it cannot
-  // certify come back with certified = 0 and nothing else.
+  // certify come back with certified = 0 and nothing else. `classified`:
+  // the units were ranked by token classes (kClassifiedUnits), and
+  // PrepareTokenClasses left the batch's controls on the device.
   absl::Status RunControlled(Slot& slot, const BatchView& batch,
                              const std::vector<char>& valid, int max_samples,
-                             int max_top_n, bool from_units,
+                             int max_top_n, bool from_units, bool classified,
                              ControlledOutputLayout* layout);
+  // The row chunks RunControlled packs the batch's controls in (within
+  // kControlledPlanBudgetBytes).
+  std::vector<std::pair<int, int>> ControlledChunks(
+      Slot& slot, const BatchView& batch, const std::vector<char>& valid);
+  // Packs rows [first, end)'s controls into slot.plan and queues their copy
+  // to the device on rank 0's stream.
+  absl::Status UploadControls(Slot& slot, const BatchView& batch,
+                              const std::vector<char>& valid, int first,
+                              int end);
+  // Before stage 1 of a batch with bitmasks or per-token entries served
+  // from unit candidates: uploads the batch's controls (one chunk) and
+  // queues the token classes' kernel. False in *classified where the
+  // controls take more than one chunk (the batch then takes its logits).
+  absl::Status PrepareTokenClasses(Slot& slot, const BatchView& batch,
+                                   const std::vector<char>& valid,
+                                   bool* classified);
   // Reads the controlled sampler's outputs (in the slot's pinned buffer) into
   // `results` for the valid rows.
   absl::Status CollectControlled(Slot& slot, const BatchView& batch,
@@ -651,6 +675,11 @@ absl::Status CudaEngine::Init() {
       FS_RETURN_IF_ERROR(
           Check(cudaMemset(slot.unit_row_maxima, 0, maxima_bytes),
                 "cudaMemset(unit row maxima)"));
+      FS_RETURN_IF_ERROR(DeviceMalloc(
+          0, reinterpret_cast<void**>(&slot.unit_token_classes),
+          sizeof(uint32_t) * static_cast<size_t>(options_.max_batch_rows) *
+              static_cast<size_t>(UnitClassWordsPerRow(vocab)),
+          "cudaMalloc(unit token classes)"));
     }
     FS_RETURN_IF_ERROR(
         Check(cudaMallocHost(&slot.host_plan, kControlledPlanBudgetBytes),
@@ -794,7 +823,8 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
         reinterpret_cast<const uint64_t*>(input + seeds_offset()) + first_row;
     params.steps =
         reinterpret_cast<const uint64_t*>(input + steps_offset()) + first_row;
-    if (output == Stage1Output::kUnits) {
+    if (output == Stage1Output::kUnits ||
+        output == Stage1Output::kClassifiedUnits) {
       // Row-major records, [max_batch_rows][units], and the rows' maxima
       // from the chunk's first row.
       const size_t at = static_cast<size_t>(first_row);
@@ -807,6 +837,13 @@ absl::Status CudaEngine::RunChunk(Slot& slot, int first_row, int rows,
           reinterpret_cast<const float*>(input +
                                          tail_inv_temperature_offset()) +
           first_row;
+      if (output == Stage1Output::kClassifiedUnits) {
+        params.unit_candidates.token_classes =
+            slot.unit_token_classes +
+            at * UnitClassWordsPerRow(info_.vocab_size);
+        params.unit_candidates.entry_logits =
+            slot.logits + at * info_.vocab_size;
+      }
     }
     if (output == Stage1Output::kLogits) {
       // [rows, vocab_rows] at the chunk's first row: one GPU writes straight
@@ -912,8 +949,10 @@ absl::Status CudaEngine::RecordStage1Graph(Slot& slot, int rows,
 absl::Status CudaEngine::LaunchBatchStage1(Slot& slot, int rows,
                                            int num_samples,
                                            Stage1Output output) {
+  // Batches with token classes are rarer and go call by call too.
   if (!options_.replay_graphs || ranks_.size() != 1 || num_samples != 1 ||
-      output == Stage1Output::kLogits) {
+      output == Stage1Output::kLogits ||
+      output == Stage1Output::kClassifiedUnits) {
     return EnqueueBatchStage1(slot, rows, num_samples, output);
   }
   Stage1Graphs& graphs =
@@ -936,10 +975,62 @@ absl::Status CudaEngine::LaunchBatchStage1(Slot& slot, int rows,
   return Check(cudaGraphLaunch(exec, slot.ranks[0].stream), "cudaGraphLaunch");
 }
 
+std::vector<std::pair<int, int>> CudaEngine::ControlledChunks(
+    Slot& slot, const BatchView& batch, const std::vector<char>& valid) {
+  slot.row_bounds.clear();
+  for (int i = 0; i < batch.rows; ++i) {
+    slot.row_bounds.push_back(
+        valid[i] ? ControlledRowBytesBound(*batch.specs[i].params)
+                 : ControlledRowBytesBound(ride_along_params_));
+  }
+  return SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
+}
+
+absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
+                                        const std::vector<char>& valid,
+                                        int first, int end) {
+  slot.plan.Clear();
+  for (int i = first; i < end; ++i) {
+    RowSpec spec = batch.specs[i];
+    // A refused row keeps its place (one CTA per logits row) as a plain
+    // row; its outputs are ignored.
+    if (!valid[i]) spec.params = &ride_along_params_;
+    slot.plan.AddRow(ControlledInputFrom(spec, &slot.lists));
+  }
+  const size_t bytes = slot.plan.byte_size();
+  if (bytes > kControlledPlanBudgetBytes) {
+    // SplitRowsByBudget's bounds make this unreachable.
+    return absl::InternalError(
+        absl::StrCat("packed controls of ", bytes, " bytes exceed the ",
+                     kControlledPlanBudgetBytes, "-byte staging"));
+  }
+  slot.plan.WriteBytes(slot.host_plan);
+  return Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
+                               cudaMemcpyHostToDevice, slot.ranks[0].stream),
+               "cudaMemcpyAsync(controls)");
+}
+
+absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
+                                             const std::vector<char>& valid,
+                                             bool* classified) {
+  *classified = false;
+  if (ControlledChunks(slot, batch, valid).size() != 1) return absl::OkStatus();
+  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+  FS_RETURN_IF_ERROR(UploadControls(slot, batch, valid, 0, batch.rows));
+  ControlledSampleParams params;
+  slot.plan.BindInputs(slot.device_plan, info_.vocab_size, &params);
+  FS_RETURN_IF_ERROR(
+      Check(LaunchUnitTokenClasses(params, slot.unit_token_classes,
+                                   slot.ranks[0].stream),
+            "LaunchUnitTokenClasses"));
+  *classified = true;
+  return absl::OkStatus();
+}
+
 absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
                                        const std::vector<char>& valid,
                                        int max_samples, int max_top_n,
-                                       bool from_units,
+                                       bool from_units, bool classified,
                                        ControlledOutputLayout* layout) {
   const int64_t vocab = info_.vocab_size;
   const size_t num_ranks = ranks_.size();
@@ -980,14 +1071,10 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
   // batch's strides at its first row.
   *layout = MakeControlledOutputLayout(batch.rows, max_samples, max_top_n);
   char* out = static_cast<char*>(slot.device_outputs);
-  slot.row_bounds.clear();
-  for (int i = 0; i < batch.rows; ++i) {
-    slot.row_bounds.push_back(
-        valid[i] ? ControlledRowBytesBound(*batch.specs[i].params)
-                 : ControlledRowBytesBound(ride_along_params_));
-  }
+  // A classified batch's controls are one chunk, already on the device.
   const std::vector<std::pair<int, int>> chunks =
-      SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
+      classified ? std::vector<std::pair<int, int>>{{0, batch.rows}}
+                 : ControlledChunks(slot, batch, valid);
   for (size_t c = 0; c < chunks.size(); ++c) {
     const int first = chunks[c].first;
     const int end = chunks[c].second;
@@ -996,26 +1083,9 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(
           Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
     }
-    slot.plan.Clear();
-    for (int i = first; i < end; ++i) {
-      RowSpec spec = batch.specs[i];
-      // A refused row keeps its place (one CTA per logits row) as a plain
-      // row; its outputs are ignored.
-      if (!valid[i]) spec.params = &ride_along_params_;
-      slot.plan.AddRow(ControlledInputFrom(spec, &slot.lists));
+    if (!classified) {
+      FS_RETURN_IF_ERROR(UploadControls(slot, batch, valid, first, end));
     }
-    const size_t bytes = slot.plan.byte_size();
-    if (bytes > kControlledPlanBudgetBytes) {
-      // SplitRowsByBudget's bounds make this unreachable.
-      return absl::InternalError(
-          absl::StrCat("packed controls of ", bytes, " bytes exceed the ",
-                       kControlledPlanBudgetBytes, "-byte staging"));
-    }
-    slot.plan.WriteBytes(slot.host_plan);
-    FS_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
-                              cudaMemcpyHostToDevice, root.stream),
-              "cudaMemcpyAsync(controls)"));
     ControlledSampleParams params;
     slot.plan.BindInputs(slot.device_plan, vocab, &params);
     params.max_samples = max_samples;
@@ -1059,6 +1129,10 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
               static_cast<const char*>(root.device_input) +
               tail_inv_temperature_offset()) +
           first;
+      if (classified) {
+        units.token_classes =
+            slot.unit_token_classes + at * UnitClassWordsPerRow(vocab);
+      }
       FS_RETURN_IF_ERROR(
           Check(LaunchControlledSampleFromUnits(params, units, workspace,
                                                 workspace_bytes, root.stream),
@@ -1216,7 +1290,8 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
     by_controls[i] = row_controlled;
     controlled = controlled || row_controlled;
     if (row_controlled) {
-      units_serve = units_serve && ServedFromUnitCandidates(params);
+      units_serve =
+          units_serve && ServedFromUnitCandidates(params, info_.vocab_size);
     } else {
       stage1_samples = std::max(stage1_samples, static_cast<int>(params.n));
     }
@@ -1336,17 +1411,34 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     unit_pause_batches_.fetch_sub(1, std::memory_order_relaxed);
     from_units = false;
   }
+  // Bitmasks and per-token entries: the units rank by token classes.
+  bool classified = false;
+  if (from_units) {
+    bool transforms = false;
+    for (int i = 0; i < batch.rows; ++i) {
+      transforms =
+          transforms ||
+          (by_controls[i] && batch.specs[i].params->has_token_transforms());
+    }
+    if (transforms) {
+      FS_RETURN_IF_ERROR(
+          PrepareTokenClasses(slot, batch, by_controls, &classified));
+      from_units = classified;
+    }
+  }
   if (from_units && options_.unit_batches_for_tests != nullptr) {
     options_.unit_batches_for_tests->fetch_add(1);
   }
   ControlledOutputLayout layout;
   // The sampler's launches follow call by call: its packed controls differ
   // from batch to batch.
-  FS_RETURN_IF_ERROR(LaunchBatchStage1(
-      slot, batch.rows, stage1_samples,
-      from_units ? Stage1Output::kUnits : Stage1Output::kLogits));
+  FS_RETURN_IF_ERROR(LaunchBatchStage1(slot, batch.rows, stage1_samples,
+                                       !from_units ? Stage1Output::kLogits
+                                       : classified
+                                           ? Stage1Output::kClassifiedUnits
+                                           : Stage1Output::kUnits));
   FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
-                                   max_top_n, from_units, &layout));
+                                   max_top_n, from_units, classified, &layout));
   bool keeps_stage1 = false;
   for (int i = 0; i < batch.rows; ++i) {
     keeps_stage1 =
@@ -1381,7 +1473,7 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
                                        Stage1Output::kLogits));
       FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
                                        max_top_n, /*from_units=*/false,
-                                       &layout));
+                                       /*classified=*/false, &layout));
       FS_RETURN_IF_ERROR(WaitForBatch(slot));
     }
   }
@@ -1440,6 +1532,9 @@ void CudaEngine::Release() {
       if (slot.logits != nullptr) cudaFree(slot.logits);
       if (slot.unit_records != nullptr) cudaFree(slot.unit_records);
       if (slot.unit_row_maxima != nullptr) cudaFree(slot.unit_row_maxima);
+      if (slot.unit_token_classes != nullptr) {
+        cudaFree(slot.unit_token_classes);
+      }
       if (slot.controlled_workspace != nullptr) {
         cudaFree(slot.controlled_workspace);
       }

@@ -47,12 +47,13 @@ struct CudaEngineOptions {
   // batch enqueues them one by one (the tests compare the two).
   bool replay_graphs = true;
   // One GPU with the wgmma kernel (sm_90): a controlled batch whose
-  // controlled rows use temperature, top_k, top_p, min_p and n alone takes
-  // its candidates from the fused kernel (FusedSampleParams::
-  // unit_candidates, 1 byte a token) instead of its fp32 logits (4 bytes a
-  // token); a batch with a row those cannot certify is sampled again from
-  // materialized logits. Off: every controlled batch materializes its
-  // logits (the tests compare the two).
+  // controlled rows the units can serve (ServedFromUnitCandidates: no raw
+  // logprobs, and a filter that closes the set where there are per-token
+  // transforms or logprobs) takes its candidates from the fused kernel
+  // (FusedSampleParams::unit_candidates, 1 byte a token) instead of its
+  // fp32 logits (4 bytes a token); a batch with a row those cannot certify
+  // is sampled again from materialized logits. Off: every controlled batch
+  // materializes its logits (the tests compare the two).
   bool unit_candidates = true;
   // Test-only; never set by the daemon: counts the batches launched as a
   // replayed graph (replay_graphs).

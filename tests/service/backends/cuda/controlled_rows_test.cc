@@ -149,26 +149,61 @@ TEST(ControlledRowsTest, OnlyControlsBeyondTemperatureAndNNeedTheSampler) {
   }
 }
 
-TEST(ControlledRowsTest, UnitCandidatesServeTheFiltersAloneWithoutLogprobs) {
+TEST(ControlledRowsTest, UnitCandidatesServeClosedSetsAndGreedyRows) {
+  constexpr int64_t kVocab = 1000;
   SamplingParams filters;
   filters.temperature = 0.7f;
   filters.top_k = 50;
   filters.top_p = 0.9f;
   filters.min_p = 0.05f;
   filters.n = 4;
-  EXPECT_TRUE(ServedFromUnitCandidates(filters));
-  EXPECT_TRUE(ServedFromUnitCandidates(SamplingParams()));
-  std::vector<SamplingParams> need_logits(8, filters);
-  need_logits[0].logit_bias = {{1, 2.0f}};
-  need_logits[1].banned_token_ids = {2};
-  need_logits[2].allowed_bitmask.assign(4, ~0u);
-  need_logits[3].repetition_penalty = 1.2f;
-  need_logits[4].presence_penalty = 0.5f;
-  need_logits[5].frequency_penalty = 0.5f;
-  need_logits[6].logprobs.sampled = true;
-  need_logits[7].logprobs.top_n = 2;
+  EXPECT_TRUE(ServedFromUnitCandidates(filters, kVocab));
+  EXPECT_TRUE(ServedFromUnitCandidates(SamplingParams(), kVocab));
+  // Transforms and processed logprobs under a filter that closes the set.
+  std::vector<SamplingParams> served(8, filters);
+  served[0].logit_bias = {{1, 2.0f}};
+  served[1].banned_token_ids = {2};
+  served[2].allowed_bitmask.assign(32, ~0u);
+  served[3].repetition_penalty = 1.2f;
+  served[4].presence_penalty = 0.5f;
+  served[5].frequency_penalty = 0.5f;
+  served[6].logprobs.sampled = true;
+  served[7].logprobs.top_n = 2;
+  for (size_t i = 0; i < served.size(); ++i) {
+    EXPECT_TRUE(ServedFromUnitCandidates(served[i], kVocab)) << i;
+    for (int filter = 0; filter < 3; ++filter) {
+      // Each filter closes the set alone.
+      SamplingParams one = served[i];
+      one.top_k = filter == 0 ? 50 : 0;
+      one.top_p = filter == 1 ? 0.9f : 1.0f;
+      one.min_p = filter == 2 ? 0.05f : 0.0f;
+      EXPECT_TRUE(ServedFromUnitCandidates(one, kVocab)) << i << " " << filter;
+    }
+  }
+  SamplingParams greedy_bias;
+  greedy_bias.temperature = 0.0f;
+  greedy_bias.logit_bias = {{1, 2.0f}};
+  EXPECT_TRUE(ServedFromUnitCandidates(greedy_bias, kVocab));
+
+  std::vector<SamplingParams> need_logits(6, filters);
+  need_logits[0].logprobs.sampled = true;
+  need_logits[0].logprobs.raw = true;
+  need_logits[1].logprobs.top_n = 2;
+  need_logits[1].logprobs.raw = true;
+  need_logits[2] = greedy_bias;
+  need_logits[2].logprobs.logsumexp = true;
+  // Sampled rows with transforms or logprobs and no closing filter: top_k
+  // at or above V is off.
+  for (int i = 3; i < 6; ++i) {
+    need_logits[i].top_k = i == 3 ? 0 : kVocab + (i - 4);
+    need_logits[i].top_p = 1.0f;
+    need_logits[i].min_p = 0.0f;
+  }
+  need_logits[3].logit_bias = {{1, 2.0f}};
+  need_logits[4].logprobs.sampled = true;
+  need_logits[5].allowed_bitmask.assign(32, ~0u);
   for (size_t i = 0; i < need_logits.size(); ++i) {
-    EXPECT_FALSE(ServedFromUnitCandidates(need_logits[i])) << i;
+    EXPECT_FALSE(ServedFromUnitCandidates(need_logits[i], kVocab)) << i;
   }
 }
 
