@@ -1046,15 +1046,20 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   const uint32_t ranked =
       classes & (valid >= 16 ? 0xffffu : (1u << valid) - 1u);
   const uint32_t slot_base = 16u * static_cast<uint32_t>(half);
-  uint32_t top[5] = {0u, 0u, 0u, 0u, 0u};
   // NaN or infinite when a logit is; rows past the shard's end add their
   // zeros.
   float sum = 0.0f;
+  // Each run of four keys sorted (SortUnitKeys4), runs 0-1 and 2-3 merged
+  // into their top fives, those into the lane's.
+  uint32_t top[5];
+  uint32_t pair_top[5];
+  uint32_t first_run[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const float4 run =
         *reinterpret_cast<const float4*>(column_values + 16 * half + 4 * q);
     const float run_values[4] = {run.x, run.y, run.z, run.w};
+    uint32_t keys[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int i = 4 * q + k;
@@ -1063,30 +1068,24 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
       // A unit with a non-finite logit writes kUnitNonFinite as its bound,
       // and the merge kernel reads nothing else of such a row: such a
       // logit's key need not be kept out of the list.
-      uint32_t key = (UnitOrderKey(v) & ~kSlotBits) | (slot_base + i);
-      if ((ranked & (1u << i)) == 0u) key = 0u;
+      keys[k] = (UnitOrderKey(v) & ~kSlotBits) | (slot_base + i);
+      if ((ranked & (1u << i)) == 0u) keys[k] = 0u;
+    }
+    SortUnitKeys4(keys);
+    if (q % 2 == 0) {
 #pragma unroll
-      for (int j = 0; j < 5; ++j) {
-        const uint32_t high = max(top[j], key);
-        key = min(top[j], key);
-        top[j] = high;
-      }
+      for (int k = 0; k < 4; ++k) first_run[k] = keys[k];
+    } else if (q == 1) {
+      TopFiveUnitKeysOf4And4(first_run, keys, top);
+    } else {
+      TopFiveUnitKeysOf4And4(first_run, keys, pair_top);
+      TopFiveUnitKeysOf5And5(top, pair_top);
     }
   }
   // The unit's top 5: merge the partner's descending list into this one.
-  uint32_t other[5];
 #pragma unroll
-  for (int j = 0; j < 5; ++j) other[j] = __shfl_xor_sync(kAll, top[j], 1);
-#pragma unroll
-  for (int j = 0; j < 5; ++j) {
-    uint32_t key = other[j];
-#pragma unroll
-    for (int t = 0; t < 5; ++t) {
-      const uint32_t high = max(top[t], key);
-      key = min(top[t], key);
-      top[t] = high;
-    }
-  }
+  for (int j = 0; j < 5; ++j) pair_top[j] = __shfl_xor_sync(kAll, top[j], 1);
+  TopFiveUnitKeysOf5And5(top, pair_top);
   const bool non_finite =
       !isfinite(__fadd_rn(sum, __shfl_xor_sync(kAll, sum, 1)));
   // 0 when the unit has at most 4 finite logits: all are written.
