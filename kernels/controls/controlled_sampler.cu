@@ -1250,8 +1250,10 @@ __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
     for (int i = 0; i < kInFlight; ++i) {
       const int64_t q = first + i * kThreads;
       if (q < units) {
-        raws[i] = row[2 * q];
-        rest[i] = row[2 * q + 1];
+        // Read once: streamed, so that the records the fused kernel kept in
+        // L2 for this read leave it first.
+        raws[i] = __ldcs(row + 2 * q);
+        rest[i] = __ldcs(row + 2 * q + 1);
       }
     }
 #pragma unroll

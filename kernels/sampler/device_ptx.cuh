@@ -144,11 +144,21 @@ __device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
 #endif
 }
 
-// L2 eviction-priority hints for TMA (the encodings CUTLASS uses for
-// CacheHintSm90): W streams through once (evict first); the hidden states
-// are re-read by every vocabulary tile (evict last).
+// L2 eviction-priority hints for TMA and hinted stores (the encodings
+// CUTLASS uses for CacheHintSm90): W streams through once (evict first);
+// the hidden states are re-read by every vocabulary tile (evict last).
 constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
 constexpr uint64_t kL2EvictLast = 0x14F0000000000000ull;
+
+// A 16-byte global store with an L2 eviction-priority hint (sm_80+).
+__device__ __forceinline__ void StoreGlobalHinted(uint4* dst, uint4 value,
+                                                  uint64_t cache_hint) {
+  asm volatile(
+      "st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(
+          dst),
+      "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w), "l"(cache_hint)
+      : "memory");
+}
 
 // 2-D tiled TMA load of box (c0 = innermost coordinate, c1) into `dst`,
 // completing `bytes` on the mbarrier `bar`.
