@@ -1107,6 +1107,7 @@ struct MergeShared {
   // candidates gathered, and for top-p rows the sums below the bound.
   uint32_t unit_row_bound;
   uint32_t unit_row_top;
+  float entries_top;  // the largest processed logit of the row's entries
   int gathered;
   double unit_tail;
   double unit_written;
@@ -1228,6 +1229,7 @@ __device__ int FirstBinReaching(Weight weight, U128 target) {
 struct UnitGather {
   int count;       // candidates gathered, all keyed above `bound`
   uint32_t bound;  // the row's highest unit bound: 0 when none left any out
+  float x_max;     // the row's largest processed logit
 };
 
 // Visits this thread's share of row r's unit records, q = threadIdx.x +
@@ -1250,10 +1252,8 @@ __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
     for (int i = 0; i < kInFlight; ++i) {
       const int64_t q = first + i * kThreads;
       if (q < units) {
-        // Read once: streamed, so that the records the fused kernel kept in
-        // L2 for this read leave it first.
-        raws[i] = __ldcs(row + 2 * q);
-        rest[i] = __ldcs(row + 2 * q + 1);
+        raws[i] = row[2 * q];
+        rest[i] = row[2 * q + 1];
       }
     }
 #pragma unroll
@@ -1286,16 +1286,22 @@ __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
 // top_p rows, sums the mass below the bound. More of them than `room`
 // (small vocabularies, flat rows): a histogram of their distance bins picks
 // the highest bins that fit, and the bound rises to the highest key left
-// out, as the chunk kernel's cut does. The units rank the row's allowed
-// tokens without per-token entries (UnitCandidates::token_classes); the
-// entries, with their maximum in x_max, are the merge kernel's. False (in
-// every thread) where the row cannot be certified here: a bitmask or
-// per-token entries the units did not leave out (no token classes), raw
+// out, as the chunk kernel's cut does. The units rank every token but the
+// row's per-token entries (UnitCandidates::token_classes), whose exact
+// values are the merge kernel's; masked tokens (the row's bitmask) are
+// ranked too, and gathered here like the others (the merge kernel leaves
+// them out after), so that the bound bounds every allowed token left out.
+// False (in every thread) where the row cannot be certified here: per-token
+// entries the units did not leave out (no token classes), a bitmask on a
+// row whose tail is wanted (the units' tails hold masked tokens), raw
 // logprobs (the mass of every token), a non-finite logit, a maximum not
-// above every bound, a tail summed at another temperature, or a closest bin
-// alone over `room`. use_min_p and want_tail (top_p that top_k does not
-// bound) are the merge kernel's filters of the row, x_max its largest
-// processed logit. Every thread calls it.
+// above every bound, a tail summed at another temperature, or a closest
+// bin alone over `room`.
+// use_min_p and want_tail (top_p that top_k does not bound) are the merge
+// kernel's filters of the row; x_max is the row's largest processed logit
+// (the units' highest key or an entry's), on a row with a bitmask an upper
+// bound on it (the units' highest may be masked), and g->x_max the largest
+// itself. Every thread calls it.
 __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
                                      const ControlledUnits& u,
                                      const ControlledRow& c, int r, float inv_t,
@@ -1305,9 +1311,8 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
                                      UnitGather* g) {
   const uint32_t unit_bound = m.unit_row_bound;
   const uint32_t top = m.unit_row_top;
-  const bool filtered =
-      c.bitmask_offset >= 0 || c.special_begin != c.special_end;
-  if ((filtered && !u.token_classes) ||
+  if ((c.special_begin != c.special_end && !u.token_classes) ||
+      (c.bitmask_offset >= 0 && want_tail) ||
       (WantsLogprobs(c) && (c.logprob_flags & kLogprobRaw) != 0) ||
       unit_bound == kUnitNonFinite || !(top > unit_bound) ||
       (want_tail && (u.tail_inv_temperature == nullptr ||
@@ -1418,8 +1423,25 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
     }
   }
   if (bad) return false;
+  if (c.bitmask_offset >= 0) {
+    // The units rank masked tokens too: they leave the candidates here (id
+    // -1, as an unused slot), and the row's maximum is an allowed
+    // candidate's or an entry's, not the units' highest key. The gather's
+    // barriers published the candidates; the reduction's publishes ids.
+    const uint32_t* row_mask = p.bitmask + c.bitmask_offset;
+    float local = m.entries_top;
+    for (int s = threadIdx.x; s < count; s += kThreads) {
+      if (controls::Disallowed(row_mask, cand_id[s])) {
+        cand_id[s] = -1;
+      } else {
+        local = fmaxf(local, controls::ScaledLogit(cand_raw[s], inv_t));
+      }
+    }
+    x_max = BlockReduce(local, MaxFloat{}, m.sh);
+  }
   g->count = count;
   g->bound = bound;
+  g->x_max = x_max;
   return true;
 }
 
@@ -1523,9 +1545,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   if constexpr (kFromUnits) {
     // The units' highest key, or an entry's x. The reduction's barrier also
     // publishes the entries.
+    const float entries_top = BlockReduce(entries_max, MaxFloat{}, sh);
+    // Kept in shared memory: a register held across the gather spilled.
+    if (tid == 0) m.entries_top = entries_top;
     x_max =
         fmaxf(controls::ScaledLogit(controls::KeyValue(m.unit_row_top), inv_t),
-              BlockReduce(entries_max, MaxFloat{}, sh));
+              entries_top);
     // UnitTailWanted is use_top_p && !use_top_k: the rows whose tails the
     // engine asks the fused kernel for.
     if (!GatherUnitCandidates(
@@ -1537,6 +1562,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     slots = gathered.count;
     outside = gathered.bound != 0u;
     bound_key = gathered.bound;
+    x_max = gathered.x_max;
   } else {
     // The region's bound: the highest boundary of a truncated chunk.
     unsigned long long bound_plus_one = 0;  // 0: no chunk truncated
@@ -1966,10 +1992,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-// One block per row: the row's UnitCandidates::token_classes words, its
-// allowed bitmask's bits (every token without one) as ranked, then each
-// per-token entry moved from ranked to entry. Rows past `vocab` in the last
-// word have neither bit.
+// One block per row: the row's UnitCandidates::token_classes words, every
+// token ranked, then each per-token entry moved from ranked to entry. Rows
+// past `vocab` in the last word have neither bit. The bitmask stays out:
+// the merge kernel leaves masked candidates out of its gather, and the
+// bitmask words (19 KB a row at V = 151936) are packed and copied while the
+// fused kernel runs instead of before it.
 __global__ void __launch_bounds__(kThreads)
     UnitTokenClassesKernel(const ControlledSampleParams p,
                            uint32_t* __restrict__ classes) {
@@ -1977,12 +2005,8 @@ __global__ void __launch_bounds__(kThreads)
   const ControlledRow c = p.row_controls[r];
   const int64_t words = UnitClassWordsPerRow(p.vocab);
   uint32_t* row = classes + r * words;
-  const uint32_t* bitmask =
-      c.bitmask_offset >= 0 ? p.bitmask + c.bitmask_offset : nullptr;
   for (int64_t j = threadIdx.x; j < words; j += kThreads) {
-    uint32_t ranked = bitmask == nullptr
-                          ? 0xffffu
-                          : (bitmask[j / 2] >> (16 * (j % 2))) & 0xffffu;
+    uint32_t ranked = 0xffffu;
     const int64_t left = p.vocab - 16 * j;
     if (left < 16) ranked &= (1u << left) - 1u;
     row[j] = ranked;

@@ -54,15 +54,17 @@ struct ControlledUnits {
   // from the row's own is not certified.
   const float* tail_inv_temperature = nullptr;
   // The token classes the kernel ranked by (UnitCandidates::token_classes,
-  // from LaunchUnitTokenClasses over these params), or null: a row with a
-  // bitmask or per-token entries is then not certified.
+  // from LaunchUnitTokenClasses over the same rows' entries), or null: a
+  // row with per-token entries is then not certified.
   const uint32_t* token_classes = nullptr;
 };
 
 // The fused kernel's UnitCandidates::token_classes for params' rows
-// ([rows][UnitClassWordsPerRow(vocab)] at `classes`): each row's allowed
-// tokens without per-token entries ranked, its entries' logits kept.
-// Needs params' rows, vocab and controls alone.
+// ([rows][UnitClassWordsPerRow(vocab)] at `classes`): every token but each
+// row's per-token entries ranked, the entries' logits kept. Reads params'
+// rows, vocab, row_controls and special_ids alone (not the bitmask: the
+// merge kernel leaves masked candidates out), so that the controls it
+// needs before the fused kernel are the entries, not the bitmask words.
 cudaError_t LaunchUnitTokenClasses(const ControlledSampleParams& params,
                                    uint32_t* classes, cudaStream_t stream);
 
@@ -73,9 +75,11 @@ cudaError_t LaunchUnitTokenClasses(const ControlledSampleParams& params,
 // A row the merge certifies gets its tokens, outputs, status kControlledOk
 // and certified = 1; every other row gets certified = 0 and nothing else,
 // and the caller samples it with LaunchControlledSample over its logits. A
-// row with a bitmask or per-token entries (bias, bans, penalized ids) is
-// certified here only where the fused kernel ranked by token classes; a
-// row with raw logprobs (the mass of every token) never is. Returns
+// row with per-token entries (bias, bans, penalized ids) is certified here
+// only where the fused kernel ranked by token classes; a row with raw
+// logprobs (the mass of every token), or with a bitmask and a tail to sum
+// (top_p that top_k does not bound: the units' tails hold masked tokens),
+// never is. Returns
 // cudaErrorNotSupported where the candidate path cannot run (V > 262144, or
 // a device without the merge kernel's shared memory),
 // cudaErrorInvalidValue for bad arguments (as LaunchControlledSample;

@@ -77,11 +77,10 @@ struct UnitCandidates {
   const float* tail_inv_temperature = nullptr;
   // Optional [batch][UnitClassWordsPerRow(shard rows)]: which tokens the
   // units rank. Word j of a row covers shard rows 16 j .. 16 j + 15: bit i
-  // (0-15) set where row 16 j + i is ranked (allowed, with no per-token
-  // entry), bit 16 + i where its raw logit goes to entry_logits instead (a
-  // per-token entry, which the merge kernel adds at its processed value).
-  // A token with neither is masked: in no record, no tail. Null: every
-  // token ranked.
+  // (0-15) set where row 16 j + i is ranked, bit 16 + i where its raw logit
+  // goes to entry_logits instead (a per-token entry, which the merge kernel
+  // adds at its processed value). A token with neither is in no record and
+  // no tail. Null: every token ranked.
   const uint32_t* token_classes = nullptr;
   // [batch][shard rows] fp32, written at the entry tokens' rows alone;
   // needed where token_classes is set.

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/controls/controlled_math.h"
 #include "kernels/controls/controlled_types.h"
 
 namespace flashsampler {
@@ -32,7 +33,14 @@ bool NeedsControlledSampler(const SamplingParams& p) {
          p.min_p > 0.0f || p.logprobs.any();
 }
 
+bool HasTokenEntries(const SamplingParams& p) { return ListEntries(p) > 0; }
+
 bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab) {
+  if (!p.allowed_bitmask.empty() &&
+      controls::UnitTailWanted(p.greedy() ? 0.0f : p.temperature, p.top_k,
+                               p.top_p, vocab)) {
+    return false;
+  }
   if (p.logprobs.any()) {
     if (p.logprobs.raw || p.greedy()) return false;
   } else if (p.greedy() || !p.has_token_transforms()) {

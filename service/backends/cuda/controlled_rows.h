@@ -59,14 +59,21 @@ bool NeedsControlledSampler(const SamplingParams& p);
 // True when the controlled sampler's candidate path can take the row from
 // the fused kernel's unit candidates, without its logits: temperature,
 // top_k, top_p, min_p and n alone, or greedy with per-token transforms
-// (bias, bans, bitmask, penalties: the units leave those tokens out and the
-// merge kernel adds them at their exact values), or transforms and
+// (bias, bans and penalized ids, which the units leave out and the merge
+// kernel adds at their exact values; a bitmask, whose masked candidates the
+// merge kernel leaves out), or transforms and
 // processed logprobs under a filter that closes the set (top_k below V,
 // top_p, min_p). Raw logprobs (every allowed token's mass) and a greedy
 // row's logprobs (over every token) need the logits, and so does a sampled
 // row with transforms and no such filter, whose open set the units would
-// rarely certify.
+// rarely certify; and so does a row with a bitmask whose top_p top_k does
+// not bound (the units' tail masses hold masked tokens).
 bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab);
+
+// True when the row has per-token entries (logit_bias, banned ids, prompt
+// ids under a repetition penalty, output counts): the units leave those
+// tokens out, by token classes made before the fused kernel.
+bool HasTokenEntries(const SamplingParams& p);
 
 // The CPU sampler's row checks (ValidateSamplingParams with
 // SamplingRules::Engine(), the same messages), plus the engine's own limits

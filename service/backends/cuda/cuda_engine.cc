@@ -83,6 +83,13 @@ constexpr int kHiddenPadRows = 128;
 // the second pass at most once in 17 batches.
 constexpr int kUnitCandidatesPauseBatches = 16;
 
+// The entries-only controls a batch with per-token entries copies before its
+// fused kernel (PrepareTokenClasses): 13 bytes an entry and the rows, far
+// below the full controls' budget, whose bitmasks (19 KB a row at V =
+// 151936) are packed and copied while the kernel runs. A batch with more
+// takes its logits.
+constexpr size_t kUnitEntryPlanBytes = size_t{4} << 20;
+
 // The controls of a row riding in a controlled launch whose outputs are not
 // used (a refused row, or one that keeps stage 1's tokens): greedy, which
 // the candidates certify at once.
@@ -199,9 +206,13 @@ struct Slot {
   UnitRecord* unit_records = nullptr;
   uint32_t* unit_row_maxima = nullptr;
   // [max_batch_rows, UnitClassWordsPerRow(V)]: the token classes the units
-  // rank by in a batch with bitmasks or per-token entries (their entries'
-  // logits land in `logits`).
+  // rank by in a batch with per-token entries (their entries' logits land
+  // in `logits`), and the entries-only controls they are made from
+  // (kUnitEntryPlanBytes, pinned and device).
   uint32_t* unit_token_classes = nullptr;
+  void* host_entry_plan = nullptr;
+  void* device_entry_plan = nullptr;
+  ControlledPlan entry_plan;
   void* controlled_workspace = nullptr;  // the controlled sampler's x = l / T
   void* host_plan = nullptr;             // pinned, kControlledPlanBudgetBytes
   void* device_plan = nullptr;           // kControlledPlanBudgetBytes
@@ -304,8 +315,7 @@ class CudaEngine final : public Engine {
   // `from_units`: the candidate path over the slot's unit candidates
   // instead (LaunchControlledSampleFromUnits); rows it cannot
   // certify come back with certified = 0 and nothing else. `classified`:
-  // the units were ranked by token classes (kClassifiedUnits), and
-  // PrepareTokenClasses left the batch's controls on the device.
+  // the units were ranked by token classes (kClassifiedUnits).
   absl::Status RunControlled(Slot& slot, const BatchView& batch,
                              const std::vector<char>& valid, int max_samples,
                              int max_top_n, bool from_units, bool classified,
@@ -319,10 +329,10 @@ class CudaEngine final : public Engine {
   absl::Status UploadControls(Slot& slot, const BatchView& batch,
                               const std::vector<char>& valid, int first,
                               int end);
-  // Before stage 1 of a batch with bitmasks or per-token entries served
-  // from unit candidates: uploads the batch's controls (one chunk) and
-  // queues the token classes' kernel. False in *classified where the
-  // controls take more than one chunk (the batch then takes its logits).
+  // Before stage 1 of a batch with per-token entries served from unit
+  // candidates: packs and uploads its rows' entries alone (no bitmask) and
+  // queues the token classes' kernel. False in *classified where they
+  // exceed kUnitEntryPlanBytes (the batch then takes its logits).
   absl::Status PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                    const std::vector<char>& valid,
                                    bool* classified);
@@ -680,6 +690,12 @@ absl::Status CudaEngine::Init() {
           sizeof(uint32_t) * static_cast<size_t>(options_.max_batch_rows) *
               static_cast<size_t>(UnitClassWordsPerRow(vocab)),
           "cudaMalloc(unit token classes)"));
+      FS_RETURN_IF_ERROR(
+          Check(cudaMallocHost(&slot.host_entry_plan, kUnitEntryPlanBytes),
+                "cudaMallocHost(entries)"));
+      FS_RETURN_IF_ERROR(DeviceMalloc(0, &slot.device_entry_plan,
+                                      kUnitEntryPlanBytes,
+                                      "cudaMalloc(entries)"));
     }
     FS_RETURN_IF_ERROR(
         Check(cudaMallocHost(&slot.host_plan, kControlledPlanBudgetBytes),
@@ -1014,11 +1030,27 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                              const std::vector<char>& valid,
                                              bool* classified) {
   *classified = false;
-  if (ControlledChunks(slot, batch, valid).size() != 1) return absl::OkStatus();
+  slot.entry_plan.Clear();
+  for (int i = 0; i < batch.rows; ++i) {
+    RowSpec spec = batch.specs[i];
+    if (!valid[i]) spec.params = &ride_along_params_;
+    ControlledRowInput input = ControlledInputFrom(spec, &slot.lists);
+    // The same entries as the full controls RunControlled packs (the
+    // bitmask is a separate part of them).
+    input.allowed_bitmask = nullptr;
+    input.bitmask_words = 0;
+    slot.entry_plan.AddRow(input);
+  }
+  const size_t bytes = slot.entry_plan.byte_size();
+  if (bytes > kUnitEntryPlanBytes) return absl::OkStatus();
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-  FS_RETURN_IF_ERROR(UploadControls(slot, batch, valid, 0, batch.rows));
+  slot.entry_plan.WriteBytes(slot.host_entry_plan);
+  FS_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(slot.device_entry_plan, slot.host_entry_plan, bytes,
+                            cudaMemcpyHostToDevice, slot.ranks[0].stream),
+            "cudaMemcpyAsync(entries)"));
   ControlledSampleParams params;
-  slot.plan.BindInputs(slot.device_plan, info_.vocab_size, &params);
+  slot.entry_plan.BindInputs(slot.device_entry_plan, info_.vocab_size, &params);
   FS_RETURN_IF_ERROR(
       Check(LaunchUnitTokenClasses(params, slot.unit_token_classes,
                                    slot.ranks[0].stream),
@@ -1071,10 +1103,8 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
   // batch's strides at its first row.
   *layout = MakeControlledOutputLayout(batch.rows, max_samples, max_top_n);
   char* out = static_cast<char*>(slot.device_outputs);
-  // A classified batch's controls are one chunk, already on the device.
   const std::vector<std::pair<int, int>> chunks =
-      classified ? std::vector<std::pair<int, int>>{{0, batch.rows}}
-                 : ControlledChunks(slot, batch, valid);
+      ControlledChunks(slot, batch, valid);
   for (size_t c = 0; c < chunks.size(); ++c) {
     const int first = chunks[c].first;
     const int end = chunks[c].second;
@@ -1083,9 +1113,7 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(
           Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
     }
-    if (!classified) {
-      FS_RETURN_IF_ERROR(UploadControls(slot, batch, valid, first, end));
-    }
+    FS_RETURN_IF_ERROR(UploadControls(slot, batch, valid, first, end));
     ControlledSampleParams params;
     slot.plan.BindInputs(slot.device_plan, vocab, &params);
     params.max_samples = max_samples;
@@ -1411,16 +1439,15 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     unit_pause_batches_.fetch_sub(1, std::memory_order_relaxed);
     from_units = false;
   }
-  // Bitmasks and per-token entries: the units rank by token classes.
+  // Per-token entries: the units rank by token classes.
   bool classified = false;
   if (from_units) {
-    bool transforms = false;
+    bool entries = false;
     for (int i = 0; i < batch.rows; ++i) {
-      transforms =
-          transforms ||
-          (by_controls[i] && batch.specs[i].params->has_token_transforms());
+      entries = entries ||
+                (by_controls[i] && HasTokenEntries(*batch.specs[i].params));
     }
-    if (transforms) {
+    if (entries) {
       FS_RETURN_IF_ERROR(
           PrepareTokenClasses(slot, batch, by_controls, &classified));
       from_units = classified;
@@ -1535,6 +1562,7 @@ void CudaEngine::Release() {
       if (slot.unit_token_classes != nullptr) {
         cudaFree(slot.unit_token_classes);
       }
+      if (slot.device_entry_plan != nullptr) cudaFree(slot.device_entry_plan);
       if (slot.controlled_workspace != nullptr) {
         cudaFree(slot.controlled_workspace);
       }
@@ -1545,6 +1573,7 @@ void CudaEngine::Release() {
     if (slot.host_input != nullptr) cudaFreeHost(slot.host_input);
     if (slot.host_tokens != nullptr) cudaFreeHost(slot.host_tokens);
     if (slot.host_plan != nullptr) cudaFreeHost(slot.host_plan);
+    if (slot.host_entry_plan != nullptr) cudaFreeHost(slot.host_entry_plan);
     if (slot.host_outputs != nullptr) cudaFreeHost(slot.host_outputs);
   }
   slots_.clear();

@@ -172,14 +172,30 @@ TEST(ControlledRowsTest, UnitCandidatesServeClosedSetsAndGreedyRows) {
   for (size_t i = 0; i < served.size(); ++i) {
     EXPECT_TRUE(ServedFromUnitCandidates(served[i], kVocab)) << i;
     for (int filter = 0; filter < 3; ++filter) {
-      // Each filter closes the set alone.
+      // Each filter closes the set alone; but top_p alone sums the units'
+      // tails, which hold a bitmask's masked tokens.
       SamplingParams one = served[i];
       one.top_k = filter == 0 ? 50 : 0;
       one.top_p = filter == 1 ? 0.9f : 1.0f;
       one.min_p = filter == 2 ? 0.05f : 0.0f;
-      EXPECT_TRUE(ServedFromUnitCandidates(one, kVocab)) << i << " " << filter;
+      EXPECT_EQ(ServedFromUnitCandidates(one, kVocab), !(i == 2 && filter == 1))
+          << i << " " << filter;
     }
   }
+  // Entries: bias, bans, prompt ids under a repetition penalty, output
+  // counts; not a bitmask, nor a penalty without ids.
+  for (size_t i = 0; i < served.size(); ++i) {
+    EXPECT_EQ(HasTokenEntries(served[i]), i <= 1) << i;
+  }
+  SamplingParams history = filters;
+  history.repetition_penalty = 1.2f;
+  history.prompt_token_ids = {3, 4};
+  EXPECT_TRUE(HasTokenEntries(history));
+  history = filters;
+  history.prompt_token_ids = {3, 4};  // no repetition penalty: no entries
+  EXPECT_FALSE(HasTokenEntries(history));
+  history.output_token_counts = {{5, 2}};
+  EXPECT_TRUE(HasTokenEntries(history));
   SamplingParams greedy_bias;
   greedy_bias.temperature = 0.0f;
   greedy_bias.logit_bias = {{1, 2.0f}};

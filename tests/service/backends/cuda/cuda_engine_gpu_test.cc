@@ -547,13 +547,15 @@ TEST_F(CudaEngineGpuTest, UnitCandidatesGiveTheTokensOfMaterializedLogits) {
 
 // Rows with a bitmask, per-token entries (bias, bans, penalized ids) and
 // processed logprobs under a filter that closes the set take their
-// candidates from units ranked by token classes: the units leave masked
-// tokens and entries out, and the merge kernel adds the entries at their
-// exact values. The same tokens, sampled logprobs, logsumexps and top lists
-// as from materialized logits, row for row; a greedy row with entries, an
-// entry biased above the row's maximum and a top_p row whose tail excludes
-// its entries among them; at least 90% of the controlled rows certified
-// from the units. A batch with a raw-logprobs row takes the logits at once.
+// candidates from units ranked by token classes: the units leave entries
+// out and the merge kernel adds them at their exact values, and leaves the
+// masked candidates out of its gather. The same tokens, sampled logprobs,
+// logsumexps and top lists as from materialized logits, row for row; a
+// greedy row with entries, an entry biased above the row's maximum, a
+// bitmask row and a top_p row whose tail excludes its entries among them;
+// at least 90% of the controlled rows certified from the units. A batch
+// with a raw-logprobs row, or with a bitmask on a row whose top_p top_k
+// does not bound, takes the logits at once.
 TEST_F(CudaEngineGpuTest,
        UnitsRankedByTokenClassesGiveTheRowsOfMaterializedLogits) {
   struct Shape {
@@ -617,6 +619,7 @@ TEST_F(CudaEngineGpuTest,
     params[0].logprobs.sampled = true;
     params[0].logprobs.logsumexp = true;
     params[0].logprobs.top_n = 5;
+    params[1].top_k = 40;  // bounds top_p: no tail to hold masked tokens
     params[1].top_p = 0.9f;
     params[1].allowed_bitmask = most;
     params[2].temperature = 0.7f;
@@ -642,10 +645,15 @@ TEST_F(CudaEngineGpuTest,
     std::uniform_real_distribution<float> peaked(-22.0f * scale, 22.0f * scale);
     int controlled_rows = 0;
     int served_rows = 0;
-    for (int round = 0; round < 4; ++round) {
-      // Round 3 adds a raw-logprobs row: the whole batch takes the logits.
+    for (int round = 0; round < 5; ++round) {
+      // Rounds 3 and 4 add a raw-logprobs row and a bitmask row with top_p
+      // alone: the whole batch takes the logits.
       SamplingParams raw = params[7];
       raw.logprobs.raw = true;
+      if (round == 4) {
+        raw = params[1];
+        raw.top_k = 0;
+      }
       std::vector<float> hidden(static_cast<size_t>(rows) * hidden_size);
       std::vector<RowResult> from_units;
       std::vector<RowResult> from_logits;
@@ -655,7 +663,7 @@ TEST_F(CudaEngineGpuTest,
           hidden[static_cast<size_t>(i) * hidden_size + d] =
               Bf16ToFloat(FloatToBf16(peaked(rng)));
         }
-        specs[i].params = round == 3 && i == rows - 1 ? &raw : &params[i % 8];
+        specs[i].params = round >= 3 && i == rows - 1 ? &raw : &params[i % 8];
         specs[i].seed = rng();
         specs[i].step = rng() % 100000;
       }
