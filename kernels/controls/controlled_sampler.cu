@@ -1296,12 +1296,11 @@ __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
 // row whose tail is wanted (the units' tails hold masked tokens), raw
 // logprobs (the mass of every token), a non-finite logit, a maximum not
 // above every bound, a tail summed at another temperature, or a closest
-// bin alone over `room`.
-// use_min_p and want_tail (top_p that top_k does not bound) are the merge
-// kernel's filters of the row; x_max is the row's largest processed logit
-// (the units' highest key or an entry's), on a row with a bitmask an upper
-// bound on it (the units' highest may be masked), and g->x_max the largest
-// itself. Every thread calls it.
+// bin alone over `room`. use_min_p and want_tail (top_p that top_k does
+// not bound) are the merge kernel's filters of the row; x_max is the row's
+// largest processed logit (the units' highest key or an entry's), on a
+// row with a bitmask an upper bound on it (the units' highest may be
+// masked), and g->x_max the largest itself. Every thread calls it.
 __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
                                      const ControlledUnits& u,
                                      const ControlledRow& c, int r, float inv_t,
@@ -1546,8 +1545,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // The units' highest key, or an entry's x. The reduction's barrier also
     // publishes the entries.
     const float entries_top = BlockReduce(entries_max, MaxFloat{}, sh);
-    // Kept in shared memory: a register held across the gather spilled.
-    if (tid == 0) m.entries_top = entries_top;
+    if (tid == 0) m.entries_top = entries_top;  // for a bitmask row's gather
     x_max =
         fmaxf(controls::ScaledLogit(controls::KeyValue(m.unit_row_top), inv_t),
               entries_top);

@@ -989,10 +989,10 @@ __device__ __forceinline__ void StoreStagedQuadLogits(const float* staging,
 }
 
 // controls::OrderKey(FoldZero(v)) (kernels/controls/controlled_math.h):
-// the float's bits made monotone, -0 as +0.
-// v + 0 is +0 for -0 and v otherwise (round to nearest), and the sign's
-// mask flips the bits of a negative value: one FADD, one shift and one
-// LOP3, without a compare or a select.
+// the float's bits made monotone, -0 as +0. v + 0 is +0 for -0 and v
+// otherwise (round to nearest), and the sign's mask flips the bits of a
+// negative value: one FADD, one shift and one LOP3, without a compare or a
+// select.
 __device__ __forceinline__ uint32_t UnitOrderKey(float v) {
   const uint32_t bits = __float_as_uint(__fadd_rn(v, 0.0f));
   const uint32_t sign = static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31);
@@ -1008,10 +1008,10 @@ __device__ __forceinline__ float UnitKeyValue(uint32_t key) {
 // unit_candidates): lanes 2c and 2c + 1 hold column c's rows row0 + {0..15}
 // and row0 + 64 + {0..15}, one unit (slots 0-15 and 16-31). A logit ranks by
 // its order key with the low 5 bits replaced by its slot, so that the keys
-// are distinct and carry their slots: each lane keeps the top 5 of its 16
-// (a row past the shard's end, or one token_classes does not rank, keys 0
-// and is in no tail; an entry's logit goes to entry_logits), the pair
-// merges the two lists, and
+// are distinct and carry their slots: each lane finds the top 5 of its 16
+// by sorting networks (unit_candidates.h; a row past the shard's end, or
+// one token_classes does not rank, keys 0 and is in no tail, and an
+// entry's logit goes to entry_logits), the pair merges the two lists, and
 // the pair writes the unit's record: the logits of the top 4 whose key,
 // slot bits aside, is above the 5th's, and that 5th's key with its low 5
 // bits set as the bound (every logit left out is at or below it). A record
@@ -1113,8 +1113,8 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
     const float top_scaled = __fmul_rn(UnitKeyValue(bound), inv_t);
     float cut_value = UnitKeyValue(cut | kSlotBits);
     if (cut_value == 0.0f) cut_value = -__int_as_float(1);
-      // Read again as the selection read them, four floats a load: one
-      // float a load put the pair's lanes of 4 columns on each bank.
+      // Read again as the selection read them, four floats a load: one float
+      // a load put the pair's lanes of 4 columns on each bank.
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const float4 run =

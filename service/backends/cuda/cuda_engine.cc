@@ -19,8 +19,8 @@
 // On one GPU with the wgmma kernel, a batch whose controlled rows the units
 // can serve (ServedFromUnitCandidates) writes only each 32-token unit's
 // highest logits instead (FusedSampleParams::unit_candidates; with
-// bitmasks or per-token entries, ranked by the rows' token classes, the
-// entries' logits written alone), and the controlled sampler's candidate
+// per-token entries, ranked by the rows' token classes, the entries' logits
+// written alone), and the controlled sampler's candidate
 // path samples from them; a batch with a row it cannot certify then takes
 // the materialized path above.
 #include "service/backends/cuda/cuda_engine.h"
