@@ -320,15 +320,12 @@ class CudaEngine final : public Engine {
                              const std::vector<char>& valid, int max_samples,
                              int max_top_n, bool from_units, bool classified,
                              ControlledOutputLayout* layout);
-  // The row chunks RunControlled packs the batch's controls in (within
-  // kControlledPlanBudgetBytes).
-  std::vector<std::pair<int, int>> ControlledChunks(
-      Slot& slot, const BatchView& batch, const std::vector<char>& valid);
-  // Packs rows [first, end)'s controls into slot.plan and queues their copy
-  // to the device on rank 0's stream.
-  absl::Status UploadControls(Slot& slot, const BatchView& batch,
-                              const std::vector<char>& valid, int first,
-                              int end);
+  // Packs rows [first, end)'s controls into `plan` (cleared first), a
+  // refused row as a ride-along row, the bitmasks left out where
+  // `with_bitmask` is false (the entries stay the same).
+  void PackControls(Slot& slot, const BatchView& batch,
+                    const std::vector<char>& valid, int first, int end,
+                    bool with_bitmask, ControlledPlan* plan);
   // Before stage 1 of a batch with per-token entries served from unit
   // candidates: packs and uploads its rows' entries alone (no bitmask) and
   // queues the token classes' kernel. False in *classified where they
@@ -991,56 +988,31 @@ absl::Status CudaEngine::LaunchBatchStage1(Slot& slot, int rows,
   return Check(cudaGraphLaunch(exec, slot.ranks[0].stream), "cudaGraphLaunch");
 }
 
-std::vector<std::pair<int, int>> CudaEngine::ControlledChunks(
-    Slot& slot, const BatchView& batch, const std::vector<char>& valid) {
-  slot.row_bounds.clear();
-  for (int i = 0; i < batch.rows; ++i) {
-    slot.row_bounds.push_back(
-        valid[i] ? ControlledRowBytesBound(*batch.specs[i].params)
-                 : ControlledRowBytesBound(ride_along_params_));
-  }
-  return SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
-}
-
-absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
-                                        const std::vector<char>& valid,
-                                        int first, int end) {
-  slot.plan.Clear();
+void CudaEngine::PackControls(Slot& slot, const BatchView& batch,
+                              const std::vector<char>& valid, int first,
+                              int end, bool with_bitmask,
+                              ControlledPlan* plan) {
+  plan->Clear();
   for (int i = first; i < end; ++i) {
     RowSpec spec = batch.specs[i];
     // A refused row keeps its place (one CTA per logits row) as a plain
     // row; its outputs are ignored.
     if (!valid[i]) spec.params = &ride_along_params_;
-    slot.plan.AddRow(ControlledInputFrom(spec, &slot.lists));
+    ControlledRowInput input = ControlledInputFrom(spec, &slot.lists);
+    if (!with_bitmask) {
+      input.allowed_bitmask = nullptr;
+      input.bitmask_words = 0;
+    }
+    plan->AddRow(input);
   }
-  const size_t bytes = slot.plan.byte_size();
-  if (bytes > kControlledPlanBudgetBytes) {
-    // SplitRowsByBudget's bounds make this unreachable.
-    return absl::InternalError(
-        absl::StrCat("packed controls of ", bytes, " bytes exceed the ",
-                     kControlledPlanBudgetBytes, "-byte staging"));
-  }
-  slot.plan.WriteBytes(slot.host_plan);
-  return Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
-                               cudaMemcpyHostToDevice, slot.ranks[0].stream),
-               "cudaMemcpyAsync(controls)");
 }
 
 absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                              const std::vector<char>& valid,
                                              bool* classified) {
   *classified = false;
-  slot.entry_plan.Clear();
-  for (int i = 0; i < batch.rows; ++i) {
-    RowSpec spec = batch.specs[i];
-    if (!valid[i]) spec.params = &ride_along_params_;
-    ControlledRowInput input = ControlledInputFrom(spec, &slot.lists);
-    // The same entries as the full controls RunControlled packs (the
-    // bitmask is a separate part of them).
-    input.allowed_bitmask = nullptr;
-    input.bitmask_words = 0;
-    slot.entry_plan.AddRow(input);
-  }
+  PackControls(slot, batch, valid, 0, batch.rows, /*with_bitmask=*/false,
+               &slot.entry_plan);
   const size_t bytes = slot.entry_plan.byte_size();
   if (bytes > kUnitEntryPlanBytes) return absl::OkStatus();
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
@@ -1103,8 +1075,14 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
   // batch's strides at its first row.
   *layout = MakeControlledOutputLayout(batch.rows, max_samples, max_top_n);
   char* out = static_cast<char*>(slot.device_outputs);
+  slot.row_bounds.clear();
+  for (int i = 0; i < batch.rows; ++i) {
+    slot.row_bounds.push_back(
+        valid[i] ? ControlledRowBytesBound(*batch.specs[i].params)
+                 : ControlledRowBytesBound(ride_along_params_));
+  }
   const std::vector<std::pair<int, int>> chunks =
-      ControlledChunks(slot, batch, valid);
+      SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
   for (size_t c = 0; c < chunks.size(); ++c) {
     const int first = chunks[c].first;
     const int end = chunks[c].second;
@@ -1113,7 +1091,20 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(
           Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
     }
-    FS_RETURN_IF_ERROR(UploadControls(slot, batch, valid, first, end));
+    PackControls(slot, batch, valid, first, end, /*with_bitmask=*/true,
+                 &slot.plan);
+    const size_t bytes = slot.plan.byte_size();
+    if (bytes > kControlledPlanBudgetBytes) {
+      // SplitRowsByBudget's bounds make this unreachable.
+      return absl::InternalError(
+          absl::StrCat("packed controls of ", bytes, " bytes exceed the ",
+                       kControlledPlanBudgetBytes, "-byte staging"));
+    }
+    slot.plan.WriteBytes(slot.host_plan);
+    FS_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
+                              cudaMemcpyHostToDevice, root.stream),
+              "cudaMemcpyAsync(controls)"));
     ControlledSampleParams params;
     slot.plan.BindInputs(slot.device_plan, vocab, &params);
     params.max_samples = max_samples;
