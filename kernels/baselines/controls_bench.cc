@@ -15,11 +15,13 @@
 //
 //   fs_controls_bench --out DIR [--configs qwen,llama]
 //                     [--batches 1,16,64,128,256] [--iters 50] [--warmup 10]
-//                     [--stage1 greedy|sampled]
+//                     [--stage1 greedy|sampled] [--multicast on|off]
 //
 // --stage1 sampled scores every row's noise in the controlled path's
 // stage 1 too (its tokens are not used): what running the rows greedy
-// saves, measured on the whole path.
+// saves, measured on the whole path. --multicast off launches every fused
+// kernel with each CTA loading its own W and H (FusedTuning::multicast_h,
+// multicast_w).
 //
 // Hidden states: "flat" rows are fs_bench's inputs (logits' std about 2.5,
 // softmax entropy near ln V); "peaked" rows scale them until the mean
@@ -53,6 +55,7 @@ struct Options {
   int iters = 50;
   int warmup = 10;
   bool stage1_sampled = false;  // --stage1 sampled
+  bool multicast = true;  // --multicast off: FusedTuning::multicast_h and _w
 };
 
 struct ModelConfig {
@@ -79,6 +82,8 @@ bool ParseOptions(int argc, char** argv, Options* options) {
     } else if (flag == "--stage1" &&
                (value == "greedy" || value == "sampled")) {
       options->stage1_sampled = value == "sampled";
+    } else if (flag == "--multicast" && (value == "on" || value == "off")) {
+      options->multicast = value == "on";
     } else {
       std::fprintf(stderr, "fs_controls_bench: unknown flag %s\n",
                    flag.c_str());
@@ -119,6 +124,9 @@ struct Controls {
   float min_p = 0.0f;
   bool everything = false;  // + bias, penalties, half-vocabulary bitmask,
                             // sampled logprob and top-5
+  // The logprobs in the raw space (the API's default), which the engine
+  // takes from the logits: no units' method.
+  bool raw_logprobs = false;
 };
 
 // The row lists of Controls::everything, shared by every row: 64 logit_bias
@@ -168,7 +176,8 @@ ControlledPlan MakePlan(const Controls& controls, const EverythingLists& lists,
       in.allowed_bitmask = lists.bitmask.data();
       in.bitmask_words = lists.bitmask.size();
       in.top_n = 5;
-      in.logprob_flags = kLogprobSampled;
+      in.logprob_flags =
+          kLogprobSampled | (controls.raw_logprobs ? kLogprobRaw : 0u);
     }
     plan.AddRow(in);
   }
@@ -275,6 +284,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     params.seeds = seeds;
     params.steps = steps;
     params.token_ids = tokens;
+    params.tuning.multicast_h = options.multicast;
+    params.tuning.multicast_w = options.multicast;
     return params;
   };
   // logits_out: also write fp32 logits.
@@ -342,6 +353,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   const std::vector<Controls> controlled = {
       {"topk50_topp0.9_minp0.05", true, 0.8f, 50, 0.9f, 0.05f, false},
       {"everything", true, 0.8f, 50, 0.9f, 0.05f, true},
+      {"everything_raw", true, 0.8f, 50, 0.9f, 0.05f, true, true},
       {"topp0.9", true, 0.8f, 0, 0.9f, 0.0f, false},
       {"topp0.95", true, 0.8f, 0, 0.95f, 0.0f, false},
       {"topp0.9_flat", false, 0.8f, 0, 0.9f, 0.0f, false},
@@ -451,24 +463,25 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
           !record_fallback() ||
           // The units' candidate path; its uncertified rows would take the
           // path above as well.
-          !time("units_" + controls.name,
-                [&] {
-                  cudaError_t error =
-                      units.token_classes == nullptr
-                          ? cudaSuccess
-                          : LaunchUnitTokenClasses(params, unit_token_classes,
-                                                   stream);
-                  if (error == cudaSuccess) {
-                    error = fused_units(h, batch, units.tail_inv_temperature,
-                                        units.token_classes);
-                  }
-                  return error != cudaSuccess
-                             ? error
-                             : LaunchControlledSampleFromUnits(
-                                   params, units, controlled_workspace,
-                                   controlled_workspace_bytes, stream);
-                }) ||
-          !record_fallback() ||
+          (!controls.raw_logprobs &&
+           !time("units_" + controls.name,
+                 [&] {
+                   cudaError_t error =
+                       units.token_classes == nullptr
+                           ? cudaSuccess
+                           : LaunchUnitTokenClasses(params, unit_token_classes,
+                                                    stream);
+                   if (error == cudaSuccess) {
+                     error = fused_units(h, batch, units.tail_inv_temperature,
+                                         units.token_classes);
+                   }
+                   return error != cudaSuccess
+                              ? error
+                              : LaunchControlledSampleFromUnits(
+                                    params, units, controlled_workspace,
+                                    controlled_workspace_bytes, stream);
+                 })) ||
+          (!controls.raw_logprobs && !record_fallback()) ||
           !time("sampler_only_" + controls.name, sample) ||
           !time("cublas_" + controls.name,
                 [&] {

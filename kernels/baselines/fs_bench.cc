@@ -341,6 +341,11 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       own_h.tuning.multicast_h = false;
       own_h.max_batch = 128;
       variants.push_back(own_h);
+      // The default tiles with each CTA loading its own W where a pair
+      // would multicast it (two batch tiles; FusedTuning::multicast_w).
+      Variant own_w = MakeVariant("fused_wgmma_own_w", FusedKernel::kWgmma, 0);
+      own_w.tuning.multicast_w = false;
+      variants.push_back(own_w);
       // The default tiles with H declared as exactly the batch's rows, so
       // that the boxes of a partial batch tile cross the tensor's end.
       Variant exact_h =

@@ -224,27 +224,27 @@ bool IsWgmmaBlockN(int block_n) {
 
 template <DType kDType, int kHalves>
 cudaError_t LaunchWgmmaFor(int block_n, const FusedArgs& args,
-                           const CUtensorMap& map_w, const CUtensorMap* maps_h,
+                           const CUtensorMap* maps_w, const CUtensorMap* maps_h,
                            cudaStream_t stream) {
   const int grid = MultiprocessorCount();
   switch (block_n) {
     case 16:
-      return fused::LaunchWgmma<kDType, 16, kHalves>(args, &map_w, maps_h, grid,
+      return fused::LaunchWgmma<kDType, 16, kHalves>(args, maps_w, maps_h, grid,
                                                      stream);
     case 64:
-      return fused::LaunchWgmma<kDType, 64, kHalves>(args, &map_w, maps_h, grid,
+      return fused::LaunchWgmma<kDType, 64, kHalves>(args, maps_w, maps_h, grid,
                                                      stream);
     case 80:
-      return fused::LaunchWgmma<kDType, 80, kHalves>(args, &map_w, maps_h, grid,
+      return fused::LaunchWgmma<kDType, 80, kHalves>(args, maps_w, maps_h, grid,
                                                      stream);
     case 96:
-      return fused::LaunchWgmma<kDType, 96, kHalves>(args, &map_w, maps_h, grid,
+      return fused::LaunchWgmma<kDType, 96, kHalves>(args, maps_w, maps_h, grid,
                                                      stream);
     case 112:
-      return fused::LaunchWgmma<kDType, 112, kHalves>(args, &map_w, maps_h,
+      return fused::LaunchWgmma<kDType, 112, kHalves>(args, maps_w, maps_h,
                                                       grid, stream);
     case 128:
-      return fused::LaunchWgmma<kDType, 128, kHalves>(args, &map_w, maps_h,
+      return fused::LaunchWgmma<kDType, 128, kHalves>(args, maps_w, maps_h,
                                                       grid, stream);
     default:
       return cudaErrorNotSupported;
@@ -253,11 +253,11 @@ cudaError_t LaunchWgmmaFor(int block_n, const FusedArgs& args,
 
 template <DType kDType>
 cudaError_t LaunchWgmmaFor(int block_n, int stage_k, const FusedArgs& args,
-                           const CUtensorMap& map_w, const CUtensorMap* maps_h,
+                           const CUtensorMap* maps_w, const CUtensorMap* maps_h,
                            cudaStream_t stream) {
   return stage_k == 128
-             ? LaunchWgmmaFor<kDType, 2>(block_n, args, map_w, maps_h, stream)
-             : LaunchWgmmaFor<kDType, 1>(block_n, args, map_w, maps_h, stream);
+             ? LaunchWgmmaFor<kDType, 2>(block_n, args, maps_w, maps_h, stream)
+             : LaunchWgmmaFor<kDType, 1>(block_n, args, maps_w, maps_h, stream);
 }
 
 // Calls launch(std::integral_constant<DType, d>()) for the runtime dtype d:
@@ -290,6 +290,26 @@ uint64_t WeightL2Hint(const FusedSampleParams& params, int block_n) {
                  ? kL2EvictFirst
                  : kL2EvictNormal;
   }
+}
+
+// Whether a launch's CTA pairs multicast W (FusedTuning::multicast_w): at
+// the two-tile width 128 (B = 225..256 on a whole vocabulary), and at 112
+// (B = 193..224) below D = 8192, for launches that score noise or nothing
+// else. There a pair's CTAs drift apart without it and the second reads
+// its W tile from DRAM again: 549 against 615 us at qwen B = 256, 488
+// against 574 at B = 200, 886 against 944 at llama B = 256 (fs_bench --ab,
+// flat rows, H100). Where the drift costs less than the pair's lockstep it
+// is off: llama at 112 (B = 200-224: 1.4% slower with it), and 80 and 96
+// (B = 129..192: from 1.3% faster to 1.7% slower over two runs). The unit
+// candidates' epilogue is long and uneven between a pair's batch tiles,
+// and in lockstep the faster CTA waits: qwen B = 256 top_k + top_p + min_p
+// from units 566-579 against 559-564 us, everything 603-614 against
+// 589-592 (two alternating runs).
+bool PairsShareWeights(const FusedSampleParams& params, int block_n) {
+  const bool width =
+      block_n == 128 || (block_n == 112 && params.hidden_size < 8192);
+  return params.tuning.multicast_w && width && params.batch > block_n &&
+         params.unit_candidates.records == nullptr;
 }
 
 bool Aligned16(const void* pointer) {
@@ -374,6 +394,7 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
         static_cast<char*>(workspace) + fused::kWorkspaceCounterBytes);
   }
   args.w_cache_hint = WeightL2Hint(params, block_n);
+  args.tuning.multicast_w = PairsShareWeights(params, block_n);
   if (path == FusedKernel::kMmaSync) {
     return DispatchDType(params.dtype, [&](auto dtype) {
       return LaunchMmaFor<decltype(dtype)::value>(block_n, args, stream);
@@ -381,7 +402,9 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   }
   if (ResolveAuto() != FusedKernel::kWgmma) return cudaErrorNotSupported;
   if (!IsWgmmaBlockN(block_n)) return cudaErrorNotSupported;
-  CUtensorMap map_w;
+  // W in boxes of a vocab tile's rows, and of half of them where a pair
+  // may multicast W (each CTA's share; a copy of the first map otherwise).
+  CUtensorMap maps_w[2];
   // H in boxes of block_n rows, and of block_n / 2 rows for the half pieces
   // of a split last round (block_n 128 only; a copy of the first map
   // otherwise).
@@ -399,11 +422,19 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   } else if (promotion_bytes < 0) {
     promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE;
   }
-  cudaError_t error = EncodeTensorMap(&map_w, params.weights, params.dtype,
-                                      static_cast<uint64_t>(params.hidden_size),
-                                      static_cast<uint64_t>(params.vocab_rows),
-                                      fused::kTileRows, promotion);
+  const auto encode_w = [&](CUtensorMap* map, int box_rows) {
+    return EncodeTensorMap(map, params.weights, params.dtype,
+                           static_cast<uint64_t>(params.hidden_size),
+                           static_cast<uint64_t>(params.vocab_rows),
+                           static_cast<uint32_t>(box_rows), promotion);
+  };
+  cudaError_t error = encode_w(&maps_w[0], fused::kTileRows);
   if (error != cudaSuccess) return error;
+  maps_w[1] = maps_w[0];
+  if (args.tuning.multicast_w) {
+    error = encode_w(&maps_w[1], fused::kTileRows / 2);
+    if (error != cudaSuccess) return error;
+  }
   // H's rows as TMA sees them: the batch rounded up to the tile width where
   // the caller's buffer has those rows (FusedSampleParams::
   // hidden_capacity_rows), so that no box crosses the tensor's end; the
@@ -434,8 +465,8 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   // 128-deep stages need whole stages; the same k order either way.
   if (params.hidden_size % 128 != 0) stage_k = 64;
   return DispatchDType(params.dtype, [&](auto dtype) {
-    return LaunchWgmmaFor<decltype(dtype)::value>(block_n, stage_k, args, map_w,
-                                                  maps_h, stream);
+    return LaunchWgmmaFor<decltype(dtype)::value>(block_n, stage_k, args,
+                                                  maps_w, maps_h, stream);
   });
 }
 

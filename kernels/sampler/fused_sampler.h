@@ -51,6 +51,11 @@ struct FusedTuning {
   // wgmma block_n 128, B = 65..128: 2-CTA clusters multicast H by TMA
   // (where the GPU can hold the persistent grid's pairs at once).
   bool multicast_h = true;
+  // wgmma, two batch tiles 128 wide, or 112 below D = 8192 (B = 193..256
+  // on a whole vocabulary), launches without unit candidates: 2-CTA
+  // clusters, each pair holding one vocab tile's two batch tiles, multicast
+  // W by TMA (where the GPU can hold the pairs; PairsShareWeights).
+  bool multicast_w = true;
   // Profiling (fs_bench --timeline): the wgmma path records, per (CTA,
   // consumer warpgroup, piece), the %globaltimer nanoseconds at which the
   // piece's wgmmas start (after the hand-off), end, and its scoring ends,

@@ -44,8 +44,8 @@ constexpr int kMaxInKernelReduceSamples = kMaxFusedInKernelSamples;
 // files.
 template <DType kDType, int kBlockN>
 cudaError_t LaunchMma(const FusedArgs& args, cudaStream_t stream);
-// tensor_map_h: two CUtensorMaps of H, kBlockN-row and kBlockN / 2-row
-// boxes.
+// tensor_map_w: two CUtensorMaps of W, kTileRows-row and kTileRows / 2-row
+// boxes; tensor_map_h: two of H, kBlockN-row and kBlockN / 2-row boxes.
 template <DType kDType, int kBlockN, int kHalves>
 cudaError_t LaunchWgmma(const FusedArgs& args, const void* tensor_map_w,
                         const void* tensor_map_h, int grid,

@@ -23,10 +23,15 @@
 // are cut into two 64-wide halves on twice as many CTAs, so that the round
 // costs half an item per SM instead of a whole one.
 //
-// With one 128-wide batch tile (B = 65..128) every CTA multiplies the same
-// H, and the CTAs run as 2-CTA clusters that load it once per pair (TMA
-// multicast, kClusterCtas = 2): 3% faster at qwen B = 128
-// (docs/performance.md).
+// CTAs run as 2-CTA clusters that load an operand both need once per pair
+// (TMA multicast). With one 128-wide batch tile (B = 65..128) every CTA
+// multiplies the same H (PairMulticast::kHidden): 3% faster at qwen B =
+// 128. With two batch tiles of 112 or 128 columns (B = 193..256 on a whole
+// vocabulary) the two CTAs of a pair take the same vocab tile's two batch
+// tiles in every round (PairMulticast::kWeights): W leaves L2 once per
+// pair, and the pair cannot drift apart so far that the second CTA reads W
+// from DRAM again: 7-18% faster at qwen B = 200..256 and llama B = 225..256
+// (where and why not elsewhere: PairsShareWeights in fused_sampler.cc).
 //
 // The k-steps of D are issued in order into one fp32 accumulator per logit
 // whatever the wgmma's N is, so a row's logits do not depend on the batch
@@ -90,6 +95,13 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// Which operand a 2-CTA cluster's pair loads once for both (above).
+enum class PairMulticast {
+  kNone,     // no clusters: every CTA loads its own W and H
+  kHidden,   // one batch tile: the pair shares H
+  kWeights,  // two batch tiles: the pair shares each round's W tile
+};
+
 // One CTA's share of the work: whole items (vocab tile x kBlockN batch
 // columns) round-robin, item i on CTA i % grid in round i / grid, and, when
 // the last round is at most half full and kBlockN is 128, that round's items
@@ -115,8 +127,8 @@ struct WorkPiece {
 };
 
 // kRotate: rotate the batch tiles where they differ (above); off in the
-// 2-CTA cluster kernel, which only runs one batch tile (and where the check
-// cost ptxas a spill).
+// 2-CTA cluster kernels: with one batch tile there is nothing to rotate (and
+// the check cost ptxas a spill), and a pair that shares W moves in step.
 template <int kBlockN, bool kRotate = true>
 struct WorkSchedule {
   static constexpr bool kCanSplit = kBlockN == 128;
@@ -186,16 +198,16 @@ template <typename T, int kN, typename Config, int kStages, int kHalves,
 __device__ __forceinline__ void MultiplyPiece(
     float (&acc0)[kN / 2], float (&acc1)[kN / 2], uint32_t smem_a_base,
     uint32_t smem_b_base, uint32_t full_bar_base, uint32_t empty_bar_base,
-    int num_steps, uint32_t seq0, int hand_off_barrier, int lane,
-    bool shared_h) {
-  // A consumed stage goes back to this CTA's producer and, when the piece's
-  // H is multicast, to the peer's, whose next load of that stage writes its
-  // half of H here. The empty barriers count two arrivals per consumer warp
-  // either way (a stage of this CTA's own loads arrives twice here).
-  const auto release = [empty_bar_base, lane, shared_h](uint32_t stage) {
+    int num_steps, uint32_t seq0, int hand_off_barrier, int lane, bool shared) {
+  // A consumed stage goes back to this CTA's producer and, when the piece
+  // is shared with the peer (one operand multicast), to the peer's, whose
+  // next load of that stage writes its half of the operand here. The empty
+  // barriers count two arrivals per consumer warp either way (a stage of
+  // this CTA's own loads arrives twice here).
+  const auto release = [empty_bar_base, lane, shared](uint32_t stage) {
     if (lane != 0) return;
     if constexpr (kClusterCtas == 2) {
-      if (shared_h) {
+      if (shared) {
         ptx::MbarrierArrive(empty_bar_base + 8 * stage);
         ptx::MbarrierArriveRemote(empty_bar_base + 8 * stage,
                                   ptx::ClusterCtaRank() ^ 1u);
@@ -266,24 +278,32 @@ __device__ __forceinline__ float (
   return *reinterpret_cast<float(*)[kCount]>(&acc[0]);
 }
 
-// kClusterCtas 2: H multicast over CTA pairs (2-CTA clusters), for one
+// kMulticast kHidden: H multicast over CTA pairs (2-CTA clusters), for one
 // batch tile of kBlockN = 128 columns. Every CTA then multiplies the same H
 // with its own W tiles, so each of a pair loads 64 of H's 128 rows of every
 // stage into both CTAs' ring, and H leaves L2 once per pair instead of
 // twice. Pieces the two do not share (the split round's halves, whose
 // columns differ; a last piece without one on the peer) load their own H.
-// A stage is refilled once both CTAs' consumers released it.
-template <typename T, int kBlockN, int kStages, int kHalves, int kClusterCtas>
+// kWeights: W multicast, for two batch tiles. Items go round-robin and the
+// grid is even, so CTAs 2c and 2c + 1 hold the same vocab tile's two batch
+// tiles in every round (in the split round, two halves of one batch tile):
+// each loads 64 of the W tile's 128 rows into both rings and its own H.
+// Either way a stage is refilled once both CTAs' consumers released it.
+template <typename T, int kBlockN, int kStages, int kHalves,
+          PairMulticast kMulticast>
 __global__ void __launch_bounds__(384, 1)
     FusedWgmmaKernel(const __grid_constant__ CUtensorMap tensor_map_w,
+                     const __grid_constant__ CUtensorMap tensor_map_w_half,
                      const __grid_constant__ CUtensorMap tensor_map_h,
                      const __grid_constant__ CUtensorMap tensor_map_h_half,
                      FusedArgs args) {
 #if FS_SM90A_ENABLED
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
   constexpr int kHalf = kBlockN / 2;  // accumulators per m64 wgmma
-  constexpr bool kMulticastH = kClusterCtas == 2;
-  static_assert(kClusterCtas == 1 || (kClusterCtas == 2 && kBlockN == 128),
+  constexpr int kClusterCtas = kMulticast == PairMulticast::kNone ? 1 : 2;
+  constexpr bool kMulticastH = kMulticast == PairMulticast::kHidden;
+  constexpr bool kMulticastW = kMulticast == PairMulticast::kWeights;
+  static_assert(!kMulticastH || kBlockN == 128,
                 "H multicast: pairs of 128-column tiles");
   // The CTA's last piece ends on an epilogue that no other consumer's
   // wgmmas hide (~15 us at B = 256: docs/performance.md). Its owner stages the
@@ -339,14 +359,17 @@ __global__ void __launch_bounds__(384, 1)
   const WorkSchedule<kBlockN, kClusterCtas == 1> schedule(
       vocab_tiles * batch_tiles, batch_tiles, gridDim.x,
       args.tuning.split_last_round, args.batch);
-  // Pieces j < shared_pieces (all whole, one batch tile) multicast H; both
-  // CTAs of a pair compute the same count.
+  // Pieces j < shared_pieces multicast their shared operand; both CTAs of
+  // a pair compute the same count. H: whole pieces only (the halves of a
+  // split round differ in columns); W: every piece (a pair's piece counts
+  // are equal with two batch tiles on an even grid, and halves share W).
   int shared_pieces = 0;
-  if constexpr (kMulticastH) {
+  if constexpr (kClusterCtas == 2) {
     const int mine = schedule.PiecesOf(blockIdx.x);
     const int peer = schedule.PiecesOf(blockIdx.x ^ 1);
     shared_pieces = min(mine, peer);
-    if (schedule.split_tail && shared_pieces > schedule.full_rounds) {
+    if (kMulticastH && schedule.split_tail &&
+        shared_pieces > schedule.full_rounds) {
       shared_pieces = schedule.full_rounds;
     }
   }
@@ -360,11 +383,11 @@ __global__ void __launch_bounds__(384, 1)
     ptx::FenceBarrierInit();
   }
   if (threadIdx.x == 32) {
-    ptx::PrefetchTensorMap(&tensor_map_w);
+    ptx::PrefetchTensorMap(kMulticastW ? &tensor_map_w_half : &tensor_map_w);
     ptx::PrefetchTensorMap(&tensor_map_h);
     ptx::PrefetchTensorMap(&tensor_map_h_half);
   }
-  if constexpr (kMulticastH) {
+  if constexpr (kClusterCtas == 2) {
     // The peer multicasts into this CTA's ring and arrives on its barriers.
     ptx::ClusterSync();
   } else {
@@ -389,13 +412,16 @@ __global__ void __launch_bounds__(384, 1)
         // whole kBlockN-row box made them 0.73 of a whole piece's time
         // instead of about half (fs_bench --timeline, llama B = 256).
         const bool half = WorkSchedule<kBlockN>::kCanSplit && piece.half;
-        const bool shared_h = kMulticastH && j < shared_pieces;
+        const bool shared = kClusterCtas == 2 && j < shared_pieces;
+        const bool shared_h = kMulticastH && shared;
+        const bool shared_w = kMulticastW && shared;
         const CUtensorMap* map_h =
             half || shared_h ? &tensor_map_h_half : &tensor_map_h;
-        // Multicast: this CTA's 64 rows of H at their place in both CTAs'
-        // stage (the 128-byte swizzle repeats every 8 rows, so two 64-row
-        // boxes lay out as one 128-row box).
+        // Multicast: this CTA's 64 rows of the shared operand at their
+        // place in both CTAs' stage (the 128-byte swizzle repeats every 8
+        // rows, so two 64-row boxes lay out as one 128-row box).
         const uint32_t h_part = shared_h ? ptx::ClusterCtaRank() : 0;
+        const uint32_t w_part = shared_w ? ptx::ClusterCtaRank() : 0;
         const uint32_t stage_tx =
             (Config::kHalfBytesA +
              (half ? Config::kHalfBytesB / 2 : Config::kHalfBytesB)) *
@@ -410,9 +436,19 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int h = 0; h < kHalves; ++h) {
             const int k0 = (step * kHalves + h) * kBlockK;
-            ptx::TmaLoad2d(ptx::SmemAddr(smem_a + stage * Config::kStageBytesA +
-                                         h * Config::kHalfBytesA),
-                           &tensor_map_w, k0, row0, full, args.w_cache_hint);
+            const uint32_t dst_w =
+                ptx::SmemAddr(smem_a + stage * Config::kStageBytesA +
+                              h * Config::kHalfBytesA) +
+                w_part * (Config::kHalfBytesA / 2);
+            if (shared_w) {
+              ptx::TmaLoad2dMulticast(
+                  dst_w, &tensor_map_w_half, k0,
+                  row0 + static_cast<int32_t>(w_part) * (kTileRows / 2), full,
+                  0x3, args.w_cache_hint);
+            } else {
+              ptx::TmaLoad2d(dst_w, &tensor_map_w, k0, row0, full,
+                             args.w_cache_hint);
+            }
             const uint32_t dst_h =
                 ptx::SmemAddr(smem_b + stage * Config::kStageBytesB +
                               h * Config::kHalfBytesB) +
@@ -428,7 +464,7 @@ __global__ void __launch_bounds__(384, 1)
           }
         }
       }
-      if constexpr (kMulticastH) {
+      if constexpr (kClusterCtas == 2) {
         // Stay until both CTAs' consumers have released every stage's last
         // use (the waits a next round of loads would make): then the peer
         // has made all its arrivals on this CTA's barriers, and the CTA may
@@ -483,23 +519,23 @@ __global__ void __launch_bounds__(384, 1)
     if (timeline != nullptr) timeline[0] = ptx::GlobalTimerNs();
     const uint32_t seq0 = static_cast<uint32_t>(j) * num_steps;
     const int hand_off = j + 1 < pieces ? kHandoffBarrier + (1 - consumer) : -1;
-    const bool shared_h = kMulticastH && j < shared_pieces;
+    const bool shared = kClusterCtas == 2 && j < shared_pieces;
     if constexpr (WorkSchedule<kBlockN>::kCanSplit) {
       if (piece.half) {
         MultiplyPiece<T, kBlockN / 2, Config, kStages, kHalves, kClusterCtas>(
             LeadingAccumulators<kHalf / 2>(acc0),
             LeadingAccumulators<kHalf / 2>(acc1), smem_a_base, smem_b_base,
             full_bar_base, empty_bar_base, num_steps, seq0, hand_off, lane,
-            shared_h);
+            shared);
       } else {
         MultiplyPiece<T, kBlockN, Config, kStages, kHalves, kClusterCtas>(
             acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
-            num_steps, seq0, hand_off, lane, shared_h);
+            num_steps, seq0, hand_off, lane, shared);
       }
     } else {
       MultiplyPiece<T, kBlockN, Config, kStages, kHalves, kClusterCtas>(
           acc0, acc1, smem_a_base, smem_b_base, full_bar_base, empty_bar_base,
-          num_steps, seq0, hand_off, lane, shared_h);
+          num_steps, seq0, hand_off, lane, shared);
     }
     if (timeline != nullptr) timeline[1] = ptx::GlobalTimerNs();
     const bool share = kShareLastEpilogue && args.tuning.share_last_epilogue;
@@ -647,9 +683,46 @@ cudaError_t MaxActiveClusters(Kernel kernel, const cudaLaunchConfig_t& config,
   return cudaSuccess;
 }
 
-// tensor_map_h points at two maps of H: kBlockN-row boxes, then
-// kBlockN / 2-row boxes (the split last round's half pieces, and each CTA's
-// share of a multicast).
+// Launches the 2-CTA cluster kernel for `multicast` if the GPU can hold
+// every pair of the persistent grid at once; *launched says whether it did
+// (where the GPCs cannot hold ctas / 2 pairs, the caller runs the plain
+// kernel instead).
+template <typename T, int kBlockN, int kStages, int kHalves,
+          PairMulticast kMulticast>
+cudaError_t LaunchPairKernel(const FusedArgs& args, const CUtensorMap* maps_w,
+                             const CUtensorMap* maps_h, int ctas,
+                             cudaStream_t stream, bool* launched) {
+  using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
+  *launched = false;
+  auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, kMulticast>;
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(Config::kSmemBytes));
+  if (error != cudaSuccess) return error;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(Config::kThreads);
+  config.dynamicSmemBytes = Config::kSmemBytes;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int max_clusters = 0;
+  error = MaxActiveClusters(kernel, config, &max_clusters);
+  if (error != cudaSuccess || 2 * max_clusters < ctas) return error;
+  *launched = true;
+  return cudaLaunchKernelEx(&config, kernel, maps_w[0], maps_w[1], maps_h[0],
+                            maps_h[1], args);
+}
+
+// tensor_map_w and tensor_map_h each point at two maps: boxes of the full
+// tile (kTileRows rows of W, kBlockN rows of H), then of half of it (each
+// CTA's share of a multicast, and H's rows of the split last round's half
+// pieces).
 template <typename T, int kBlockN, int kStages, int kHalves>
 cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
                               const void* tensor_map_h, int grid,
@@ -659,45 +732,37 @@ cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
   const int64_t batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
   const int64_t items = tiles * batch_tiles;
   const int ctas = static_cast<int>(items < grid ? items : grid);
+  const CUtensorMap* maps_w = static_cast<const CUtensorMap*>(tensor_map_w);
   const CUtensorMap* maps_h = static_cast<const CUtensorMap*>(tensor_map_h);
-  const CUtensorMap& map_w = *static_cast<const CUtensorMap*>(tensor_map_w);
+  bool launched = false;
+  cudaError_t error = cudaSuccess;
   if constexpr (kBlockN == 128) {
     if (args.tuning.multicast_h && batch_tiles == 1 && ctas % 2 == 0) {
-      auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, 2>;
-      cudaError_t error = cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-          static_cast<int>(Config::kSmemBytes));
-      if (error != cudaSuccess) return error;
-      cudaLaunchAttribute cluster;
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 2;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(static_cast<unsigned>(ctas));
-      config.blockDim = dim3(Config::kThreads);
-      config.dynamicSmemBytes = Config::kSmemBytes;
-      config.stream = stream;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      // The persistent grid needs every pair resident at once; where the
-      // GPCs cannot hold ctas / 2 pairs, the plain kernel runs instead.
-      int max_clusters = 0;
-      error = MaxActiveClusters(kernel, config, &max_clusters);
-      if (error != cudaSuccess) return error;
-      if (2 * max_clusters >= ctas) {
-        return cudaLaunchKernelEx(&config, kernel, map_w, maps_h[0], maps_h[1],
-                                  args);
-      }
+      error = LaunchPairKernel<T, kBlockN, kStages, kHalves,
+                               PairMulticast::kHidden>(args, maps_w, maps_h,
+                                                       ctas, stream, &launched);
+      if (error != cudaSuccess || launched) return error;
     }
   }
-  auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, 1>;
-  cudaError_t error =
+  // The widths where pairs share W (PairsShareWeights in fused_sampler.cc)
+  // at their default 64-deep stages (DefaultWgmmaStageK) only: every
+  // instantiation of this kernel is ~0.5 MB of each binary that links it.
+  if constexpr (kBlockN >= 112 && kHalves == 1) {
+    if (args.tuning.multicast_w && batch_tiles == 2 && ctas % 2 == 0) {
+      error = LaunchPairKernel<T, kBlockN, kStages, kHalves,
+                               PairMulticast::kWeights>(
+          args, maps_w, maps_h, ctas, stream, &launched);
+      if (error != cudaSuccess || launched) return error;
+    }
+  }
+  auto kernel =
+      FusedWgmmaKernel<T, kBlockN, kStages, kHalves, PairMulticast::kNone>;
+  error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(Config::kSmemBytes));
   if (error != cudaSuccess) return error;
   kernel<<<ctas, Config::kThreads, Config::kSmemBytes, stream>>>(
-      map_w, maps_h[0], maps_h[1], args);
+      maps_w[0], maps_w[1], maps_h[0], maps_h[1], args);
   return cudaGetLastError();
 }
 

@@ -46,8 +46,9 @@ template cudaError_t LaunchWgmma<DType::kBf16, 128, 2>(const FusedArgs&,
 cudaError_t WgmmaKernelBinaryVersion(int* version) {
   cudaFuncAttributes attributes;
   const cudaError_t error = cudaFuncGetAttributes(
-      &attributes, FusedWgmmaKernel<__nv_bfloat16, 16,
-                                    WgmmaTileConfig<16, 1>::kStages, 1, 1>);
+      &attributes,
+      FusedWgmmaKernel<__nv_bfloat16, 16, WgmmaTileConfig<16, 1>::kStages, 1,
+                       PairMulticast::kNone>);
   if (error != cudaSuccess) return error;
   *version = attributes.binaryVersion;
   return cudaSuccess;

@@ -127,8 +127,7 @@ if [[ $mode == bench || $mode == all ]]; then
   fi
   if [[ ${FS_BENCH_BETWEEN:-1} != 0 ]]; then
     # The sweep's batches are powers of two; a decode step's batch is any
-    # size, and a partial batch tile has its own costs (1.12-1.56x cuBLAS
-    # at B = 129..255, docs/performance.md).
+    # size, and a partial batch tile has its own costs (docs/performance.md).
     say "== fs_bench, batches between the powers of two"
     between=$(mktemp -d)
     timeout "${FS_BENCH_TIMEOUT:-300}" "$bundle/bin/fs_bench" --out "$between" \

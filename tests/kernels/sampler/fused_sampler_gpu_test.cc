@@ -526,13 +526,16 @@ TEST_F(FusedSamplerGpuTest, SanitizerSmallCase) {
 // alone. The same schedules cover H multicast over CTA pairs (one batch
 // tile, B <= 128): pieces shared by a pair, the split round's halves that
 // are not, a last piece whose peer has none (no split: 3 items), and at
-// B = 17 a second half of H wholly past the batch; with multicast off as
-// the control. Small enough for compute-sanitizer.
+// B = 17 a second half of H wholly past the batch; and W multicast (two
+// batch tiles, B = 200 and 256): every piece shared, the split round's
+// halves included, and a last vocab tile whose second half of W is wholly
+// past the vocabulary; with multicast off as the control. Small enough
+// for compute-sanitizer.
 TEST_F(FusedSamplerWgmmaGpuTest, SplitLastRoundIsExact) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0),
             cudaSuccess);
-  const int64_t vocab = (sms + 3) * int64_t{FusedSampleTileRows()} - 40;
+  const int64_t vocab = (sms + 3) * int64_t{FusedSampleTileRows()} - 80;
   constexpr int kHidden = 128;
   constexpr int kRows = 256;
   constexpr int kSamples = 2;
@@ -570,6 +573,7 @@ TEST_F(FusedSamplerWgmmaGpuTest, SplitLastRoundIsExact) {
       spec.tuning.split_last_round = schedule.split;
       spec.tuning.share_last_epilogue = schedule.share;
       spec.tuning.multicast_h = schedule.multicast;
+      spec.tuning.multicast_w = schedule.multicast;
       spec.want_logits = true;
       LaunchOutput out;
       ASSERT_TRUE(Run(problem, spec, &out));
