@@ -86,10 +86,10 @@ absl::Status DecodeParams(const v1::SamplingParams& in,
     return s;
   }
   // The one rule of the wire alone: an enum value this build does not know.
-  if (lp.space() != v1::LogprobOptions::PROCESSED &&
-      lp.space() != v1::LogprobOptions::RAW) {
+  if (lp.space() != v1::LogprobOptions::RAW &&
+      lp.space() != v1::LogprobOptions::PROCESSED) {
     return Invalid(absl::StrCat(prefix, ".logprobs.space"),
-                   absl::StrCat("must be PROCESSED (0) or RAW (1), got ",
+                   absl::StrCat("must be RAW (0) or PROCESSED (1), got ",
                                 static_cast<int>(lp.space())));
   }
   return absl::OkStatus();

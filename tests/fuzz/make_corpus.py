@@ -42,7 +42,7 @@ def requests():
     yield "filters", request(2, params=p(temperature=0.7, top_k=5, top_p=0.9,
                                          min_p=0.05, n=3))
     lp = pb.LogprobOptions(sampled_logprob=True, row_logsumexp=True,
-                           top_logprobs=4, space=pb.LogprobOptions.RAW)
+                           top_logprobs=4, space=pb.LogprobOptions.PROCESSED)
     yield "penalties_logprobs", request(1, params=p(
         repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
         prompt_token_ids=[1, 2, 299], output_token_counts=[
