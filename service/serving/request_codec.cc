@@ -76,7 +76,12 @@ absl::Status DecodeParams(const v1::SamplingParams& in,
   out->logprobs.sampled = lp.sampled_logprob();
   out->logprobs.logsumexp = lp.row_logsumexp();
   out->logprobs.top_n = lp.top_logprobs();
-  out->logprobs.raw = lp.space() == v1::LogprobOptions::RAW;
+  // The space matters only where a logprob is asked for: RAW is the wire's
+  // default, and a row without logprobs must not count as a raw-logprobs
+  // row (a control the backend must support, and on the CUDA backend a row
+  // the unit candidates cannot serve).
+  out->logprobs.raw =
+      lp.space() == v1::LogprobOptions::RAW && out->logprobs.any();
 
   if (absl::Status s = ValidateSamplingParams(
           *out, config.vocab_size, prefix,

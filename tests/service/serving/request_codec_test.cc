@@ -67,6 +67,27 @@ TEST(RequestCodecTest, DefaultsMatchTheProto) {
   EXPECT_EQ(FirstUnsupportedControl(p, {}), "");
 }
 
+// RAW is the wire's default space (as vLLM's raw_logprobs), and the space
+// counts only where a logprob is asked for: a row without logprobs is not
+// a raw-logprobs row (a control the backend must support).
+TEST(RequestCodecTest, LogprobsDefaultToTheRawSpace) {
+  v1::SampleRequest request = testing::MakeRequest(1, kHidden, 1);
+  request.mutable_params()->mutable_logprobs()->set_sampled_logprob(true);
+  DecodedRequest decoded;
+  ASSERT_TRUE(DecodeSampleRequest(request, Config(), &decoded).ok());
+  EXPECT_TRUE(decoded.params[0].logprobs.raw);
+  request.mutable_params()->mutable_logprobs()->set_space(
+      v1::LogprobOptions::PROCESSED);
+  ASSERT_TRUE(DecodeSampleRequest(request, Config(), &decoded).ok());
+  EXPECT_FALSE(decoded.params[0].logprobs.raw);
+  request.mutable_params()->mutable_logprobs()->set_sampled_logprob(false);
+  request.mutable_params()->mutable_logprobs()->set_space(
+      v1::LogprobOptions::RAW);
+  ASSERT_TRUE(DecodeSampleRequest(request, Config(), &decoded).ok());
+  EXPECT_FALSE(decoded.params[0].logprobs.raw);
+  EXPECT_EQ(FirstUnsupportedControl(decoded.params[0], {}), "");
+}
+
 TEST(RequestCodecTest, MissingSeedsAreDrawnPerRow) {
   v1::SampleRequest request = testing::MakeRequest(kMaxRows, kHidden, 0);
   DecodedRequest a;
