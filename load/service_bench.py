@@ -20,10 +20,11 @@ time at the same batch sizes when fs_bench results are given.
   load/service_bench.py --daemon build/bin/flashsamplerd_null_engine \\
       --load build/bin/fs_load --backend null --out /tmp/sb
 
-Columns: fs_load's throughput and percentiles; the daemon's mean queue wait,
-batch execution time and batch rows over the point (Prometheus histograms
-scraped before and after); overhead_ms = p50 - queue - execute (decode,
-staging, response encoding and the two gRPC hops); the kernel's time at the
+Columns: fs_load's throughput and percentiles; the daemon's mean request
+decoding, queue wait, batch execution time, response encoding and batch
+rows over the point (Prometheus histograms scraped before and after);
+overhead_ms = p50 - decode - queue - execute - encode (gRPC's two hops,
+the threads' hand-offs and wake-ups); the kernel's time at the
 nearest batch size when --kernel_csv (fs_bench results.csv) is given;
 the daemon's CPU time (user + system) and context switches (all its
 threads) over the point, per answered request (warm-up calls included on
@@ -63,7 +64,9 @@ HISTOGRAMS = ("flashsampler_queue_wait_seconds",
               "flashsampler_batch_execute_seconds",
               "flashsampler_batch_rows",
               # its count: every answer, warm-up calls included
-              "flashsampler_request_duration_seconds")
+              "flashsampler_request_duration_seconds",
+              "flashsampler_request_decode_seconds",
+              "flashsampler_response_encode_seconds")
 
 
 def free_port():
@@ -258,8 +261,10 @@ def main():
             failed = failed or done.returncode != 0
             rows_out.append({
                 "label": label,
+                "decode_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[4]),
                 "queue_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[0]),
                 "execute_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[1]),
+                "encode_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[5]),
                 "batch_rows": mean_delta(before, after, HISTOGRAMS[2]),
                 "cpu_us": (1e6 * (usage_after[0] - usage_before[0]) / answered
                            if answered > 0 else float("nan")),
@@ -275,7 +280,8 @@ def main():
         kernel = kernel_times(args.kernel_csv, args.kernel_config)
         table = os.path.join(args.out, "service.csv")
         header = ["point", "req_per_s", "rows_per_s", "p50_ms", "p99_ms",
-                  "errors", "queue_ms", "execute_ms", "overhead_ms",
+                  "errors", "decode_ms", "queue_ms", "execute_ms",
+                  "encode_ms", "overhead_ms",
                   "batch_rows", "kernel_ms_at_batch", "daemon_cpu_us_per_req",
                   "switches_per_req", "load_cpu_us_per_req",
                   "host_cpu_busy_pct"]
@@ -287,13 +293,15 @@ def main():
             for extra in rows_out:
                 load = load_rows[extra["label"]]
                 p50 = float(load["p50_ms"])
-                overhead = p50 - extra["queue_ms"] - extra["execute_ms"]
+                overhead = (p50 - extra["decode_ms"] - extra["queue_ms"] -
+                            extra["execute_ms"] - extra["encode_ms"])
                 values = [extra["label"],
                           fmt(float(load["throughput_rps"]), 0),
                           fmt(float(load["rows_per_s"]), 0), fmt(p50),
                           fmt(float(load["p99_ms"])), load["errors"],
-                          fmt(extra["queue_ms"]), fmt(extra["execute_ms"]),
-                          fmt(overhead), fmt(extra["batch_rows"], 1),
+                          fmt(extra["decode_ms"]), fmt(extra["queue_ms"]),
+                          fmt(extra["execute_ms"]),
+                          fmt(extra["encode_ms"]), fmt(overhead), fmt(extra["batch_rows"], 1),
                           fmt(nearest(kernel, extra["batch_rows"])),
                           fmt(extra["cpu_us"], 1), fmt(extra["switches"], 2),
                           fmt(extra["load_cpu_us"], 1),

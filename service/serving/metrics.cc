@@ -76,6 +76,20 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Name("flashsampler_requests_total")
                    .Help("Requests answered, by RPC and gRPC status code")
                    .Register(*registry_);
+  request_decode_ = &prometheus::BuildHistogram()
+                         .Name("flashsampler_request_decode_seconds")
+                         .Help(
+                             "Time from receiving a request to handing it to "
+                             "the batcher: parsing, decoding, checking")
+                         .Register(*registry_)
+                         .Add({}, LatencyBucketBounds());
+  response_encode_ = &prometheus::BuildHistogram()
+                          .Name("flashsampler_response_encode_seconds")
+                          .Help(
+                              "Time from a request's batch answering to its "
+                              "response handed to gRPC: encoding, serializing")
+                          .Register(*registry_)
+                          .Add({}, LatencyBucketBounds());
   queue_wait_ = &prometheus::BuildHistogram()
                      .Name("flashsampler_queue_wait_seconds")
                      .Help(
@@ -190,8 +204,16 @@ void Metrics::ObserveRequest(absl::string_view rpc, absl::StatusCode code,
   count->Increment();
 }
 
+void Metrics::ObserveDecode(double seconds) {
+  request_decode_->Observe(seconds);
+}
+
 void Metrics::ObserveQueueWait(double seconds) {
   queue_wait_->Observe(seconds);
+}
+
+void Metrics::ObserveEncode(double seconds) {
+  response_encode_->Observe(seconds);
 }
 
 void Metrics::ObserveBatch(int rows, double seconds) {

@@ -47,8 +47,14 @@ class Metrics {
   // method name (kRpcSample ...).
   void ObserveRequest(absl::string_view rpc, absl::StatusCode code,
                       double seconds);
+  // Received -> handed to the batcher (parsing, decoding and checking it),
+  // once per request that decoded.
+  void ObserveDecode(double seconds);
   // Accepted -> launched, once per request that reached a batch.
   void ObserveQueueWait(double seconds);
+  // Its batch answered -> its response handed to gRPC (encoding and
+  // serializing it), once per request that reached a batch.
+  void ObserveEncode(double seconds);
   // One engine launch of `rows` rows that took `seconds`.
   void ObserveBatch(int rows, double seconds);
   void SetQueueRows(int64_t rows);
@@ -89,7 +95,9 @@ class Metrics {
       duration_children_{};
   std::array<std::atomic<prometheus::Counter*>, kKnownRpcs * kStatusCodes>
       count_children_{};
+  prometheus::Histogram* request_decode_;
   prometheus::Histogram* queue_wait_;
+  prometheus::Histogram* response_encode_;
   prometheus::Histogram* batch_execute_;
   prometheus::Histogram* batch_rows_;
   prometheus::Counter* rows_sampled_;

@@ -148,6 +148,7 @@ class UnarySampleCall final : public BatchItem {
 
   void Done(const absl::Status& status, std::vector<RowResult> results,
             const BatchTiming& timing) override {
+    const absl::Time answered = absl::Now();
     absl::Status s = status;
     if (s.ok()) {
       s = EncodeSampleResponse(wire_.request, decoded_, results, &response_);
@@ -156,6 +157,7 @@ class UnarySampleCall final : public BatchItem {
       SetTiming(timing, &response_);
       s = SerializeResponse(response_, response_bytes_);
     }
+    metrics_->ObserveEncode(SecondsSince(answered));
     metrics_->ObserveRequest(kRpcSample, s.code(), SecondsSince(start_));
     reactor_->Finish(ToGrpcStatus(s));
   }
@@ -373,6 +375,7 @@ class SampleStreamReactor final
     absl::Status status =
         DecodeSampleRequest(e->request, service_->codec_, &e->decoded);
     if (status.ok()) {
+      service_->metrics_->ObserveDecode(SecondsSince(e->start));
       auto item = std::make_unique<Item>(this, e);
       Describe(e->decoded, DeadlineOf(context_), item.get());
       {
@@ -409,6 +412,7 @@ class SampleStreamReactor final
                 const std::vector<RowResult>& results,
                 const BatchTiming& timing) {
     // The entry is ours alone until it is marked ready.
+    const absl::Time answered = absl::Now();
     absl::Status s = status;
     if (s.ok()) {
       s = EncodeSampleResponse(e->request, e->decoded, results, &e->response);
@@ -417,6 +421,7 @@ class SampleStreamReactor final
       SetTiming(timing, &e->response);
       s = SerializeResponse(e->response, &e->response_bytes);
     }
+    service_->metrics_->ObserveEncode(SecondsSince(answered));
     Actions actions;
     {
       absl::MutexLock lock(&mu_);
@@ -485,6 +490,7 @@ grpc::ServerUnaryReactor* SamplerService::Sample(
     status = DecodeWireRequest(*call->wire(), codec_, call->decoded());
   }
   if (status.ok()) {
+    metrics_->ObserveDecode(SecondsSince(start));
     Describe(*call->decoded(), DeadlineOf(context), call.get());
     // An idle engine runs the batch right here, and Done() finishes the
     // reactor before this returns; else a batcher thread finishes it.

@@ -35,6 +35,15 @@ def main():
         if row["errors"] != "0" or float(row["req_per_s"]) <= 0:
             print(f"bad point: {row}", file=sys.stderr)
             return 1
+        # The daemon's split of a request's time: decoding and encoding are
+        # observed for every answered request, and each is a part of p50.
+        p50 = float(row["p50_ms"])
+        for part in ("decode_ms", "queue_ms", "execute_ms", "encode_ms"):
+            value = float(row[part]) if row[part] else -1.0
+            if not 0.0 <= value < p50:
+                print(f"{part} {row[part]!r} not in [0, p50 = {p50}): {row}",
+                      file=sys.stderr)
+                return 1
     print("service_bench smoke: table of", len(rows), "points, no errors")
     return 0
 

@@ -448,7 +448,9 @@ TEST(ServerTest, MetricFamiliesAreExported) {
   for (const char* name : {
            "flashsampler_request_duration_seconds_bucket",
            "flashsampler_requests_total",
+           "flashsampler_request_decode_seconds_bucket",
            "flashsampler_queue_wait_seconds_bucket",
+           "flashsampler_response_encode_seconds_bucket",
            "flashsampler_batch_execute_seconds_bucket",
            "flashsampler_batch_rows_bucket",
            "flashsampler_rows_sampled_total",
@@ -478,6 +480,9 @@ TEST(ServerTest, MetricFamiliesAreExported) {
                    "dtype=\"fp32\",hidden=\"16\",tp=\"1\",vocab=\"1000\"}"),
             1.0);
   EXPECT_EQ(Metric(f, "flashsampler_batch_rows_bucket{le=\"2\"}"), 1.0);
+  // The one request's decoding and encoding, each observed once.
+  EXPECT_EQ(Metric(f, "flashsampler_request_decode_seconds_count"), 1.0);
+  EXPECT_EQ(Metric(f, "flashsampler_response_encode_seconds_count"), 1.0);
 }
 
 TEST(ServerTest, MetricsEndpointServesTheExposition) {
