@@ -657,12 +657,13 @@ __global__ void __launch_bounds__(384, 1)
 #endif  // FS_SM90A_ENABLED
 }
 
-// cudaOccupancyMaxActiveClusters for `kernel` launched with `config`,
-// asked once per device (a kernel's shared memory and cluster shape are
-// fixed, and the answer depends on nothing else here).
-template <typename Kernel>
-cudaError_t MaxActiveClusters(Kernel kernel, const cudaLaunchConfig_t& config,
-                              int* clusters) {
+// cudaOccupancyMaxActiveClusters for kKernel launched with `config`,
+// asked once per kernel and device (a kernel's shared memory and cluster
+// shape are fixed, and the answer depends on nothing else here). The
+// kernel itself is the template argument, so that each one has its own
+// cache: every FusedWgmmaKernel has the same type.
+template <auto kKernel>
+cudaError_t MaxActiveClusters(const cudaLaunchConfig_t& config, int* clusters) {
   constexpr int kCachedDevices = 64;
   static std::atomic<int> cache[kCachedDevices];  // 0: not asked yet
   int device = 0;
@@ -675,7 +676,7 @@ cudaError_t MaxActiveClusters(Kernel kernel, const cudaLaunchConfig_t& config,
       return cudaSuccess;
     }
   }
-  error = cudaOccupancyMaxActiveClusters(clusters, kernel, &config);
+  error = cudaOccupancyMaxActiveClusters(clusters, kKernel, &config);
   if (error != cudaSuccess) return error;
   if (device >= 0 && device < kCachedDevices) {
     cache[device].store(*clusters + 1, std::memory_order_relaxed);
@@ -694,7 +695,8 @@ cudaError_t LaunchPairKernel(const FusedArgs& args, const CUtensorMap* maps_w,
                              cudaStream_t stream, bool* launched) {
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
   *launched = false;
-  auto kernel = FusedWgmmaKernel<T, kBlockN, kStages, kHalves, kMulticast>;
+  constexpr auto kernel =
+      FusedWgmmaKernel<T, kBlockN, kStages, kHalves, kMulticast>;
   cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(Config::kSmemBytes));
@@ -712,7 +714,7 @@ cudaError_t LaunchPairKernel(const FusedArgs& args, const CUtensorMap* maps_w,
   config.attrs = &cluster;
   config.numAttrs = 1;
   int max_clusters = 0;
-  error = MaxActiveClusters(kernel, config, &max_clusters);
+  error = MaxActiveClusters<kernel>(config, &max_clusters);
   if (error != cudaSuccess || 2 * max_clusters < ctas) return error;
   *launched = true;
   return cudaLaunchKernelEx(&config, kernel, maps_w[0], maps_w[1], maps_h[0],
