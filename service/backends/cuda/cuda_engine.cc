@@ -39,6 +39,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "common/status_util.h"
 #include "kernels/controls/controlled_math.h"
@@ -277,6 +278,11 @@ class CudaEngine final : public Engine {
   // counted in device_bytes_[rank] when it succeeds.
   absl::Status DeviceMalloc(size_t rank, void** ptr, size_t bytes,
                             const char* what);
+  // A pinned host buffer and a device buffer on rank 0 of `bytes` each,
+  // the host side staging what is copied to (or from) the device side;
+  // `what` names them in errors.
+  absl::Status StagingMalloc(void** host, void** device, size_t bytes,
+                             absl::string_view what);
   // What stage 1 writes besides its tokens.
   enum class Stage1Output { kTokens, kLogits, kUnits, kClassifiedUnits };
   // Stage 1 over rows [first_row, first_row + rows); kLogits also makes it
@@ -312,13 +318,14 @@ class CudaEngine final : public Engine {
   // (row chunks within kControlledPlanBudgetBytes) and queues the D2H of its
   // outputs on rank 0's stream. Rows with `valid[i]` false ride along as
   // greedy rows whose outputs are ignored.
-  // `from_units`: the candidate path over the slot's unit candidates
-  // instead (LaunchControlledSampleFromUnits); rows it cannot
-  // certify come back with certified = 0 and nothing else. `classified`:
-  // the units were ranked by token classes (kClassifiedUnits).
+  // `stage1`: what stage 1 wrote (kLogits, kUnits or kClassifiedUnits).
+  // From unit candidates the sampler takes the candidate path over them
+  // instead (LaunchControlledSampleFromUnits; kClassifiedUnits: ranked by
+  // the slot's token classes); rows it cannot certify come back with
+  // certified = 0 and nothing else.
   absl::Status RunControlled(Slot& slot, const BatchView& batch,
                              const std::vector<char>& valid, int max_samples,
-                             int max_top_n, bool from_units, bool classified,
+                             int max_top_n, Stage1Output stage1,
                              ControlledOutputLayout* layout);
   // Packs rows [first, end)'s controls into `plan` (cleared first), a
   // refused row as a ride-along row, the bitmasks left out where
@@ -413,6 +420,14 @@ absl::Status CudaEngine::DeviceMalloc(size_t rank, void** ptr, size_t bytes,
   FS_RETURN_IF_ERROR(Check(cudaMalloc(ptr, bytes), what));
   device_bytes_[rank] += static_cast<int64_t>(bytes);
   return absl::OkStatus();
+}
+
+absl::Status CudaEngine::StagingMalloc(void** host, void** device, size_t bytes,
+                                       absl::string_view what) {
+  FS_RETURN_IF_ERROR(Check(cudaMallocHost(host, bytes),
+                           absl::StrCat("cudaMallocHost(", what, ")").c_str()));
+  return DeviceMalloc(0, device, bytes,
+                      absl::StrCat("cudaMalloc(", what, ")").c_str());
 }
 
 absl::Status CudaEngine::Init() {
@@ -687,25 +702,15 @@ absl::Status CudaEngine::Init() {
           sizeof(uint32_t) * static_cast<size_t>(options_.max_batch_rows) *
               static_cast<size_t>(UnitClassWordsPerRow(vocab)),
           "cudaMalloc(unit token classes)"));
-      FS_RETURN_IF_ERROR(
-          Check(cudaMallocHost(&slot.host_entry_plan, kUnitEntryPlanBytes),
-                "cudaMallocHost(entries)"));
-      FS_RETURN_IF_ERROR(DeviceMalloc(0, &slot.device_entry_plan,
-                                      kUnitEntryPlanBytes,
-                                      "cudaMalloc(entries)"));
+      FS_RETURN_IF_ERROR(StagingMalloc(&slot.host_entry_plan,
+                                       &slot.device_entry_plan,
+                                       kUnitEntryPlanBytes, "entries"));
     }
-    FS_RETURN_IF_ERROR(
-        Check(cudaMallocHost(&slot.host_plan, kControlledPlanBudgetBytes),
-              "cudaMallocHost(controls)"));
-    FS_RETURN_IF_ERROR(DeviceMalloc(0, &slot.device_plan,
-                                    kControlledPlanBudgetBytes,
-                                    "cudaMalloc(controls)"));
-    FS_RETURN_IF_ERROR(
-        Check(cudaMallocHost(&slot.host_outputs, controlled_output_bytes_),
-              "cudaMallocHost(controlled outputs)"));
-    FS_RETURN_IF_ERROR(DeviceMalloc(0, &slot.device_outputs,
-                                    controlled_output_bytes_,
-                                    "cudaMalloc(controlled outputs)"));
+    FS_RETURN_IF_ERROR(StagingMalloc(&slot.host_plan, &slot.device_plan,
+                                     kControlledPlanBudgetBytes, "controls"));
+    FS_RETURN_IF_ERROR(StagingMalloc(&slot.host_outputs, &slot.device_outputs,
+                                     controlled_output_bytes_,
+                                     "controlled outputs"));
     FS_RETURN_IF_ERROR(Check(
         cudaEventCreateWithFlags(&slot.sampler_done, cudaEventDisableTiming),
         "cudaEventCreate"));
@@ -1034,8 +1039,10 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
 absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
                                        const std::vector<char>& valid,
                                        int max_samples, int max_top_n,
-                                       bool from_units, bool classified,
+                                       Stage1Output stage1,
                                        ControlledOutputLayout* layout) {
+  const bool from_units = stage1 == Stage1Output::kUnits ||
+                          stage1 == Stage1Output::kClassifiedUnits;
   const int64_t vocab = info_.vocab_size;
   const size_t num_ranks = ranks_.size();
   SlotRank& root = slot.ranks[0];
@@ -1148,7 +1155,7 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
               static_cast<const char*>(root.device_input) +
               tail_inv_temperature_offset()) +
           first;
-      if (classified) {
+      if (stage1 == Stage1Output::kClassifiedUnits) {
         units.token_classes =
             slot.unit_token_classes + at * UnitClassWordsPerRow(vocab);
       }
@@ -1447,16 +1454,16 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
   if (from_units && options_.unit_batches_for_tests != nullptr) {
     options_.unit_batches_for_tests->fetch_add(1);
   }
+  const Stage1Output stage1 = !from_units  ? Stage1Output::kLogits
+                              : classified ? Stage1Output::kClassifiedUnits
+                                           : Stage1Output::kUnits;
   ControlledOutputLayout layout;
   // The sampler's launches follow call by call: its packed controls differ
   // from batch to batch.
-  FS_RETURN_IF_ERROR(LaunchBatchStage1(slot, batch.rows, stage1_samples,
-                                       !from_units ? Stage1Output::kLogits
-                                       : classified
-                                           ? Stage1Output::kClassifiedUnits
-                                           : Stage1Output::kUnits));
+  FS_RETURN_IF_ERROR(
+      LaunchBatchStage1(slot, batch.rows, stage1_samples, stage1));
   FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
-                                   max_top_n, from_units, classified, &layout));
+                                   max_top_n, stage1, &layout));
   bool keeps_stage1 = false;
   for (int i = 0; i < batch.rows; ++i) {
     keeps_stage1 =
@@ -1490,8 +1497,8 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(EnqueueStage1(slot, batch.rows, stage1_samples,
                                        Stage1Output::kLogits));
       FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
-                                       max_top_n, /*from_units=*/false,
-                                       /*classified=*/false, &layout));
+                                       max_top_n, Stage1Output::kLogits,
+                                       &layout));
       FS_RETURN_IF_ERROR(WaitForBatch(slot));
     }
   }
