@@ -95,6 +95,21 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// TMA's box of `map` at (c0, c1) into `dst`, completing on the mbarrier
+// `bar`: into this CTA alone, or, where `pair`, into the same place of both
+// CTAs of the 2-CTA cluster (this CTA's share of a multicast operand).
+__device__ __forceinline__ void LoadBoxToCtaOrPair(uint32_t dst,
+                                                   const CUtensorMap* map,
+                                                   int32_t c0, int32_t c1,
+                                                   uint32_t bar, bool pair,
+                                                   uint64_t cache_hint) {
+  if (pair) {
+    ptx::TmaLoad2dMulticast(dst, map, c0, c1, bar, 0x3, cache_hint);
+  } else {
+    ptx::TmaLoad2d(dst, map, c0, c1, bar, cache_hint);
+  }
+}
+
 // Which operand a 2-CTA cluster's pair loads once for both (above).
 enum class PairMulticast {
   kNone,     // no clusters: every CTA loads its own W and H
@@ -440,27 +455,18 @@ __global__ void __launch_bounds__(384, 1)
                 ptx::SmemAddr(smem_a + stage * Config::kStageBytesA +
                               h * Config::kHalfBytesA) +
                 w_part * (Config::kHalfBytesA / 2);
-            if (shared_w) {
-              ptx::TmaLoad2dMulticast(
-                  dst_w, &tensor_map_w_half, k0,
-                  row0 + static_cast<int32_t>(w_part) * (kTileRows / 2), full,
-                  0x3, args.w_cache_hint);
-            } else {
-              ptx::TmaLoad2d(dst_w, &tensor_map_w, k0, row0, full,
-                             args.w_cache_hint);
-            }
+            LoadBoxToCtaOrPair(
+                dst_w, shared_w ? &tensor_map_w_half : &tensor_map_w, k0,
+                row0 + static_cast<int32_t>(w_part) * (kTileRows / 2), full,
+                shared_w, args.w_cache_hint);
             const uint32_t dst_h =
                 ptx::SmemAddr(smem_b + stage * Config::kStageBytesB +
                               h * Config::kHalfBytesB) +
                 h_part * (Config::kHalfBytesB / 2);
-            if (shared_h) {
-              ptx::TmaLoad2dMulticast(
-                  dst_h, map_h, k0,
-                  col0 + static_cast<int32_t>(h_part) * (kBlockN / 2), full,
-                  0x3, ptx::kL2EvictLast);
-            } else {
-              ptx::TmaLoad2d(dst_h, map_h, k0, col0, full, ptx::kL2EvictLast);
-            }
+            LoadBoxToCtaOrPair(
+                dst_h, map_h, k0,
+                col0 + static_cast<int32_t>(h_part) * (kBlockN / 2), full,
+                shared_h, ptx::kL2EvictLast);
           }
         }
       }
