@@ -76,28 +76,34 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Name("flashsampler_requests_total")
                    .Help("Requests answered, by RPC and gRPC status code")
                    .Register(*registry_);
-  // An unlabelled histogram over LatencyBucketBounds().
-  const auto latency = [this](const char* name, const char* help) {
-    return &prometheus::BuildHistogram()
-                .Name(name)
-                .Help(help)
-                .Register(*registry_)
-                .Add({}, LatencyBucketBounds());
-  };
-  request_decode_ = latency(
-      "flashsampler_request_decode_seconds",
-      "Time from receiving a request to handing it to the batcher: parsing, "
-      "decoding, checking");
-  response_encode_ =
-      latency("flashsampler_response_encode_seconds",
-              "Time from a request's batch answering to its response handed to "
-              "gRPC: encoding, serializing");
-  queue_wait_ = latency(
-      "flashsampler_queue_wait_seconds",
-      "Time a request waited in the batcher queue before its batch launched");
-  batch_execute_ = latency(
-      "flashsampler_batch_execute_seconds",
-      "Engine time of one batch (copy in, sample, copy out), all ranks");
+  request_decode_ = &prometheus::BuildHistogram()
+                         .Name("flashsampler_request_decode_seconds")
+                         .Help(
+                             "Time from receiving a request to handing it to "
+                             "the batcher: parsing, decoding, checking")
+                         .Register(*registry_)
+                         .Add({}, LatencyBucketBounds());
+  response_encode_ = &prometheus::BuildHistogram()
+                          .Name("flashsampler_response_encode_seconds")
+                          .Help(
+                              "Time from a request's batch answering to its "
+                              "response handed to gRPC: encoding, serializing")
+                          .Register(*registry_)
+                          .Add({}, LatencyBucketBounds());
+  queue_wait_ = &prometheus::BuildHistogram()
+                     .Name("flashsampler_queue_wait_seconds")
+                     .Help(
+                         "Time a request waited in the batcher queue "
+                         "before its batch launched")
+                     .Register(*registry_)
+                     .Add({}, LatencyBucketBounds());
+  batch_execute_ = &prometheus::BuildHistogram()
+                        .Name("flashsampler_batch_execute_seconds")
+                        .Help(
+                            "Engine time of one batch (copy in, sample, "
+                            "copy out), all ranks")
+                        .Register(*registry_)
+                        .Add({}, LatencyBucketBounds());
   batch_rows_ = &prometheus::BuildHistogram()
                      .Name("flashsampler_batch_rows")
                      .Help(
