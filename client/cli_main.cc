@@ -53,7 +53,8 @@ ABSL_FLAG(int, top_k, 0, "sample: top-k; 0 = off");
 ABSL_FLAG(float, top_p, 1.0f, "sample: top-p in (0, 1]; 1 = off");
 ABSL_FLAG(float, min_p, 0.0f, "sample: min-p in [0, 1]; 0 = off");
 ABSL_FLAG(int, n, 1, "sample: samples per row");
-ABSL_FLAG(bool, logprobs, false, "sample: also print each token's logprob");
+ABSL_FLAG(bool, logprobs, false,
+          "sample: also print each token's logprob and rank");
 ABSL_FLAG(std::string, hidden_file, "",
           "sample: hidden states, .npy ([B, D] or [D]; float32, float16 or "
           "bf16 bits as uint16) or raw little-endian fp32 with --rows rows");
@@ -222,6 +223,7 @@ int RunSample(SamplerClient& client) {
   if (absl::GetFlag(FLAGS_n) != 1) fields.params.set_n(absl::GetFlag(FLAGS_n));
   if (absl::GetFlag(FLAGS_logprobs)) {
     fields.params.mutable_logprobs()->set_sampled_logprob(true);
+    fields.params.mutable_logprobs()->set_sampled_rank(true);
   }
   auto request = MakeSampleRequest(hidden, fields);
   if (!request.ok()) return Fail(request.status());
@@ -241,6 +243,13 @@ int RunSample(SamplerClient& client) {
           response->sampled_logprobs().begin() + (row + 1) * n);
       std::printf("logprobs %lld: %s\n", static_cast<long long>(row),
                   absl::StrJoin(logprobs, " ").c_str());
+    }
+    if (response->sampled_ranks_size() == response->token_ids_size()) {
+      std::vector<int32_t> ranks(
+          response->sampled_ranks().begin() + row * n,
+          response->sampled_ranks().begin() + (row + 1) * n);
+      std::printf("ranks %lld: %s\n", static_cast<long long>(row),
+                  absl::StrJoin(ranks, " ").c_str());
     }
   }
   std::printf("seeds: %s\n", absl::StrJoin(response->seeds(), " ").c_str());

@@ -69,6 +69,7 @@ class NullEngine final : public Engine {
       RowResult& row = (*results)[r];
       row.token_ids.assign(static_cast<size_t>(batch.specs[r].params->n), 0);
       row.sampled_logprobs.assign(row.token_ids.size(), 0.0f);
+      row.sampled_ranks.assign(row.token_ids.size(), 1);
       row.logsumexp = 0.0f;
     }
     return absl::OkStatus();

@@ -278,11 +278,13 @@ __global__ void __launch_bounds__(kThreads)
 
   const bool greedy = c.temperature == 0.0f;
   const bool want_sampled = (c.logprob_flags & kLogprobSampled) != 0;
+  const bool want_rank = (c.logprob_flags & kLogprobRank) != 0;
   const bool want_lse = (c.logprob_flags & kLogprobLogsumexp) != 0;
   const bool raw = (c.logprob_flags & kLogprobRaw) != 0;
   const int32_t top_n = c.top_n < vocab ? c.top_n : vocab;
   if (c.n < 1 || c.n > p.max_samples || top_n < 0 || top_n > p.max_top_n ||
       (want_sampled && p.sampled_logprobs == nullptr) ||
+      (want_rank && p.sampled_ranks == nullptr) ||
       (want_lse && p.logsumexp == nullptr) ||
       (top_n > 0 && (p.top_token_ids == nullptr || p.top_logprobs == nullptr ||
                      p.top_count == nullptr))) {
@@ -455,7 +457,7 @@ __global__ void __launch_bounds__(kThreads)
         z[i], x[i], controls::Disallowed(bitmask, i), p.special_ids,
         p.special_flags, c.special_begin, c.special_end, i);
   };
-  if (want_sampled || want_lse || top_n > 0) {
+  if (want_sampled || want_rank || want_lse || top_n > 0) {
     float v_max = x_max;  // the survivors' max is the row's first token
     if (raw) {
       float m = controls::kNegInf;
@@ -524,6 +526,27 @@ __global__ void __launch_bounds__(kThreads)
       if (tid == 0) p.top_count[r] = listed;
     } else if (tid == 0 && p.top_count != nullptr) {
       p.top_count[r] = 0;
+    }
+    // Ranks: one pass per distinct sample (a greedy row's n are one token),
+    // counting the tokens whose value is >= the sampled token's; the
+    // lse's reduction above published the tokens.
+    if (want_rank) {
+      int32_t* ranks =
+          p.sampled_ranks + static_cast<int64_t>(r) * p.max_samples;
+      for (int k = 0; k < (greedy ? 1 : c.n); ++k) {
+        const int32_t id = tokens[k];
+        const float v_k = raw ? z[id] : x[id];
+        unsigned long long count = 0;
+        for (int32_t i = tid; i < vocab; i += kThreads) {
+          const float v = raw ? raw_logit(i) : x[i];
+          if (v >= v_k && (raw || survives(i, v))) ++count;
+        }
+        count = BlockReduce(count, SumU64{}, sh);
+        if (tid == 0) {
+          for (int j = k; j < (greedy ? c.n : k + 1); ++j)
+            ranks[j] = static_cast<int32_t>(count);
+        }
+      }
     }
   } else if (tid == 0 && p.top_count != nullptr) {
     p.top_count[r] = 0;
@@ -613,7 +636,8 @@ struct CandidateWorkspace {
 };
 
 __device__ bool WantsLogprobs(const ControlledRow& c) {
-  return (c.logprob_flags & (kLogprobSampled | kLogprobLogsumexp)) != 0 ||
+  return (c.logprob_flags &
+          (kLogprobSampled | kLogprobRank | kLogprobLogsumexp)) != 0 ||
          c.top_n > 0;
 }
 
@@ -1479,12 +1503,14 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const bool greedy = c.temperature == 0.0f;
   const bool want_sampled = (c.logprob_flags & kLogprobSampled) != 0;
+  const bool want_rank = (c.logprob_flags & kLogprobRank) != 0;
   const bool want_lse = (c.logprob_flags & kLogprobLogsumexp) != 0;
   const bool raw_mode = (c.logprob_flags & kLogprobRaw) != 0;
   const int32_t top_n = c.top_n < vocab ? c.top_n : vocab;
   const int64_t entries = c.special_end - c.special_begin;
   if (c.n < 1 || c.n > p.max_samples || top_n < 0 || top_n > p.max_top_n ||
       (want_sampled && p.sampled_logprobs == nullptr) ||
+      (want_rank && p.sampled_ranks == nullptr) ||
       (want_lse && p.logsumexp == nullptr) ||
       (top_n > 0 && (p.top_token_ids == nullptr || p.top_logprobs == nullptr ||
                      p.top_count == nullptr)) ||
@@ -1824,7 +1850,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     prefix = true;
   }
   const bool processed_logprobs =
-      !raw_mode && (want_sampled || want_lse || top_n > 0);
+      !raw_mode && (want_sampled || want_rank || want_lse || top_n > 0);
   if (processed_logprobs && !closed) return;  // the survivors are not all seen
   const int survivors = prefix ? m.cut_index + 1 : 0;
 
@@ -1876,7 +1902,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Logprobs, as the full passes: raw over the masked raw logits, else over
   // the survivors (a greedy row's are every allowed token).
   int listed = 0;
-  if (want_sampled || want_lse || top_n > 0) {
+  if (want_sampled || want_rank || want_lse || top_n > 0) {
     double lse = 0.0;
     if (raw_mode) {
       // Per-chunk partial sums, combined in chunk order by warp 0; its
@@ -1966,6 +1992,36 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         previous = found;
         ++listed;
+      }
+    }
+    // Ranks: the tokens whose value is >= the sampled token's. Processed:
+    // the survivors, all seen (closed). Raw: the candidates and entries,
+    // where the value lies above every unseen token's raw logit; else the
+    // full passes count the row. The units' path takes no raw-mode row
+    // (GatherUnitCandidates), so z is the logits wherever raw_mode holds.
+    int32_t* const ranks =
+        want_rank ? p.sampled_ranks + static_cast<int64_t>(r) * p.max_samples
+                  : nullptr;
+    for (int k = 0; want_rank && k < (greedy ? 1 : c.n); ++k) {
+      const float v_k = raw_mode ? z[tokens[k]] : m.sample_x[k];
+      if (raw_mode && outside && !(v_k > raw_bound)) return;
+      unsigned long long count = 0;
+      if (!raw_mode && prefix) {
+        for (int i = tid; i < survivors; i += kThreads)
+          count += controls::PackedKeyValue(m.sorted[i]) >= v_k ? 1 : 0;
+      } else {
+        for_each([&](float x, float raw, int32_t) {
+          if (raw_mode ? raw >= v_k
+                       : x >= v_k &&
+                             (greedy ? x != controls::kNegInf : is_member(x))) {
+            ++count;
+          }
+        });
+      }
+      count = BlockReduce(count, SumU64{}, sh);
+      if (tid == 0) {
+        for (int j = k; j < (greedy ? c.n : k + 1); ++j)
+          ranks[j] = static_cast<int32_t>(count);
       }
     }
     if (tid == 0) {

@@ -15,6 +15,9 @@ constexpr uint32_t kLogprobLogsumexp = 2u;  // the row's logsumexp
 // Raw logits after the masks alone (bitmask, banned ids; vLLM's
 // raw_logprobs) instead of the processed distribution.
 constexpr uint32_t kLogprobRaw = 4u;
+// The rank of each sampled token: 1 + the other tokens whose value in the
+// logprobs' space (raw, or processed over the survivors) is >= its own.
+constexpr uint32_t kLogprobRank = 8u;
 
 // The controls of one row (an array of these lives on the device). Values
 // are assumed range-checked as the CPU's ValidateRow does (temperature >= 0,
@@ -111,6 +114,7 @@ struct ControlledSampleParams {
   // Outputs. Rows that fail get status != 0, token ids -1 and top_count 0.
   int32_t* token_ids = nullptr;       // [rows, max_samples]
   float* sampled_logprobs = nullptr;  // [rows, max_samples]; may be null
+  int32_t* sampled_ranks = nullptr;   // [rows, max_samples]; may be null
   float* logsumexp = nullptr;         // [rows]; may be null
   int32_t* top_token_ids = nullptr;   // [rows, max_top_n]; may be null
   float* top_logprobs = nullptr;      // [rows, max_top_n]; may be null

@@ -35,6 +35,7 @@ const std::vector<std::string>& AllSamplingControls() {
       "logprobs.row_logsumexp",
       "logprobs.top_logprobs",
       "logprobs.space",
+      "logprobs.sampled_rank",
   };
   return *kControls;
 }
@@ -249,6 +250,7 @@ std::string FirstUnsupportedControl(const SamplingParams& p,
       {"logprobs.row_logsumexp", p.logprobs.logsumexp},
       {"logprobs.top_logprobs", p.logprobs.top_n != 0},
       {"logprobs.space", p.logprobs.raw},
+      {"logprobs.sampled_rank", p.logprobs.rank},
   };
   for (const auto& use : kUses) {
     if (use.used && !Contains(supported, use.name)) return use.name;

@@ -30,7 +30,8 @@ struct LogprobRequest {
   bool logsumexp = false;  // logsumexp of the row
   int32_t top_n = 0;       // N most likely tokens; 0 = none
   bool raw = false;        // raw logits instead of the processed distribution
-  bool any() const { return sampled || logsumexp || top_n > 0; }
+  bool rank = false;       // rank of each sampled token (1 = most likely)
+  bool any() const { return sampled || rank || logsumexp || top_n > 0; }
 };
 
 // Temperatures below this sample greedily (vLLM's rule): 1 / T would
@@ -120,8 +121,11 @@ struct RowSpec {
 struct RowResult {
   std::vector<int32_t> token_ids;       // n samples
   std::vector<float> sampled_logprobs;  // n, when asked for
-  float logsumexp = 0.0f;               // when asked for
-  std::vector<int32_t> top_token_ids;   // top_n, most likely first
+  // n, when asked for: 1 + the other tokens whose value in the logprobs'
+  // space is >= the sampled token's (ties count against it, as vLLM's).
+  std::vector<int32_t> sampled_ranks;
+  float logsumexp = 0.0f;              // when asked for
+  std::vector<int32_t> top_token_ids;  // top_n, most likely first
   std::vector<float> top_logprobs;
   // Non-empty when this row alone could not be sampled (e.g. every token
   // masked): the request that owns the row fails with INVALID_ARGUMENT and

@@ -74,6 +74,7 @@ absl::Status DecodeParams(const v1::SamplingParams& in,
   out->n = in.has_n() ? in.n() : 1;
   const v1::LogprobOptions& lp = in.logprobs();
   out->logprobs.sampled = lp.sampled_logprob();
+  out->logprobs.rank = lp.sampled_rank();
   out->logprobs.logsumexp = lp.row_logsumexp();
   out->logprobs.top_n = lp.top_logprobs();
   // The space matters only where a logprob is asked for: RAW is the wire's
@@ -101,8 +102,8 @@ absl::Status DecodeParams(const v1::SamplingParams& in,
 }
 
 bool SameLogprobs(const LogprobRequest& a, const LogprobRequest& b) {
-  return a.sampled == b.sampled && a.logsumexp == b.logsumexp &&
-         a.top_n == b.top_n && a.raw == b.raw;
+  return a.sampled == b.sampled && a.rank == b.rank &&
+         a.logsumexp == b.logsumexp && a.top_n == b.top_n && a.raw == b.raw;
 }
 
 // Finds the first row of `data` ([rows, hidden] of `dtype`) that is not
@@ -430,6 +431,14 @@ absl::Status EncodeSampleResponse(const v1::SampleRequest& request,
       for (float lp : result.sampled_logprobs) {
         response->add_sampled_logprobs(lp);
       }
+    }
+    if (decoded.logprobs.rank) {
+      if (static_cast<int>(result.sampled_ranks.size()) != decoded.n) {
+        return absl::InternalError(
+            absl::StrCat("engine returned no sampled ranks for row ", r));
+      }
+      response->mutable_sampled_ranks()->Add(result.sampled_ranks.begin(),
+                                             result.sampled_ranks.end());
     }
     if (decoded.logprobs.logsumexp) {
       response->add_row_logsumexp(result.logsumexp);

@@ -2,8 +2,9 @@
 // vocabulary; each sweep recomputes logits tile by tile (fixed-shape sgemm)
 // and visits them with what each row still needs (row_plan.h, tile_sweep.h):
 // row statistics, a radix-select histogram or tie counts (exact top-k / top-p
-// cuts the candidate buffer could not certify), and finally the Gumbel-max
-// sample with logprobs. Unfiltered and greedy rows need one sweep.
+// cuts the candidate buffer could not certify), the Gumbel-max sample with
+// logprobs, and last, for rows that ask for them, the sampled tokens' ranks.
+// Unfiltered and greedy rows need one sweep (two with ranks).
 #include "service/backends/cpu/cpu_sampler.h"
 
 #include <cblas.h>
@@ -225,6 +226,11 @@ void CpuSampler::RunTask(Call& call, int block, int64_t chunk) const {
         tr.cursor_k.Start(row.cut_k, chunk);
         tr.cursor_p.Start(row.cut_p, chunk);
         break;
+      case Phase::kRank:
+        tr.rank_count.assign(row.rank_value.size(), 0);
+        tr.cursor_k.Start(row.cut_k, chunk);
+        tr.cursor_p.Start(row.cut_p, chunk);
+        break;
       case Phase::kTies:
       case Phase::kDone:
         break;
@@ -263,6 +269,9 @@ void CpuSampler::RunTask(Call& call, int block, int64_t chunk) const {
         case Phase::kFinal:
           cpu::VisitFinal(row, z, l, x, begin, count, call.max_gumbel, tr);
           break;
+        case Phase::kRank:
+          cpu::VisitRank(row, z, x, begin, count, tr);
+          break;
         case Phase::kDone:
           break;
       }
@@ -299,6 +308,12 @@ void CpuSampler::RunTask(Call& call, int block, int64_t chunk) const {
         absl::MutexLock lock(&row.mu);
         row.top_processed.Absorb(tr.top_processed);
         row.top_raw.Absorb(tr.top_raw);
+        break;
+      }
+      case Phase::kRank: {
+        absl::MutexLock lock(&row.mu);
+        for (size_t j = 0; j < tr.rank_count.size(); ++j)
+          row.rank_count[j] += tr.rank_count[j];
         break;
       }
       case Phase::kDone:
@@ -378,6 +393,11 @@ absl::Status CpuSampler::Sample(const float* hidden, int rows,
           break;
         case Phase::kFinal:
           cpu::FinishRow(row, (*results)[r]);
+          row.phase =
+              row.want_rank && !row.failed() ? Phase::kRank : Phase::kDone;
+          break;
+        case Phase::kRank:
+          cpu::FinishRanks(row, (*results)[r]);
           row.phase = Phase::kDone;
           break;
         case Phase::kDone:

@@ -60,7 +60,10 @@ struct CpuSamplerOptions {
 //   bitmask-disallowed tokens are -inf (out of the log-sum-exp, never
 //   listed), logit_bias (even -inf), penalties, temperature and filters do
 //   not apply. top-N lists only tokens of non-zero probability (at most N),
-//   most likely first, ties to the lowest id.
+//   most likely first, ties to the lowest id. The rank of a sampled token
+//   is the count of tokens whose value in the logprobs' space (masked raw
+//   logit, or x of a survivor) is >= its own, itself included: 1 for the
+//   most likely token, and ties count against it (vLLM's count).
 class CpuSampler {
  public:
   // `weights_fp32` is row-major [vocab, hidden] and is shared, not copied

@@ -25,8 +25,12 @@ void AfterHist(Row& row, int64_t num_chunks);
 void AfterTies(Row& row, int64_t num_chunks);
 
 // After the final sweep: merges the chunks' candidates and logprob partials
-// into `out` (or sets the row's error when every token is masked).
+// into `out` (or sets the row's error when every token is masked), and
+// keeps each sample's value for the rank sweep.
 void FinishRow(Row& row, RowResult& out);
+
+// After the rank sweep: the sampled tokens' ranks into `out`.
+void FinishRanks(Row& row, RowResult& out);
 
 }  // namespace cpu
 }  // namespace flashsampler

@@ -23,9 +23,10 @@ namespace flashsampler {
 namespace cpu {
 
 // What the next sweep computes for a row: row statistics (pass 1 of filtered
-// rows), a radix-select histogram, tie counts of the cut value, or the sample
-// with its logprobs.
-enum class Phase { kStats, kHist, kTies, kFinal, kDone };
+// rows), a radix-select histogram, tie counts of the cut value, the sample
+// with its logprobs, or the sampled tokens' ranks (a sweep of its own: the
+// tokens are known only after the final sweep).
+enum class Phase { kStats, kHist, kTies, kFinal, kRank, kDone };
 enum class Selecting { kNone, kTopK, kTopP };
 
 struct ChunkFinal {
@@ -50,6 +51,7 @@ struct Row {
   bool want_raw_lse = false;
   size_t top_n_processed = 0;
   size_t top_n_raw = 0;
+  bool want_rank = false;
 
   Phase phase = Phase::kDone;
   // The candidate buffer could not certify the cut: exact radix select ran.
@@ -72,6 +74,11 @@ struct Row {
   std::vector<ChunkFinal> finals;  // per chunk
   TopBuffer top_processed;
   TopBuffer top_raw;
+
+  // kRank: each computed sample's value in the logprobs' space (masked raw
+  // or processed logit) and the tokens counted at or above it.
+  std::vector<float> rank_value;
+  std::vector<int64_t> rank_count;
 
   absl::Mutex mu;  // guards merges from concurrent tasks
   int32_t error_token = kNoToken;
@@ -109,6 +116,8 @@ struct TaskRow {
   TopBuffer top_processed;
   TopBuffer top_raw;
   std::vector<NoiseWalk> noise;  // per sample
+  // kRank
+  std::vector<int64_t> rank_count;  // per computed sample
 
   void Fail(int32_t token, std::string message) {
     if (!failed || token < error_token) {

@@ -109,5 +109,31 @@ void VisitFinal(const Row& row, const float* z, const float* l, const float* x,
   }
 }
 
+void VisitRank(const Row& row, const float* z, const float* x, int64_t begin,
+               int count, TaskRow& tr) {
+  float v[kTileTokens];
+  if (row.params->logprobs.raw) {
+    MaskedRaw(row, begin, count, z, v);  // masked: -inf, below every sample
+  } else {
+    const bool filtered = row.use_min_p || row.use_top_k || row.use_top_p;
+    for (int c = 0; c < count; ++c) {
+      const int32_t id = static_cast<int32_t>(begin + c);
+      const float xc = x[c];
+      v[c] = xc;
+      if (xc == kNegInf || !filtered) continue;
+      // As VisitFinal: both cursors see every allowed token, then min_p.
+      const bool keep_k = tr.cursor_k.Keep(xc, id);
+      const bool keep_p = tr.cursor_p.Keep(xc, id);
+      if (!keep_k || !keep_p || xc < row.min_floor) v[c] = kNegInf;
+    }
+  }
+  for (size_t j = 0; j < row.rank_value.size(); ++j) {
+    const float at = row.rank_value[j];
+    int64_t counted = 0;
+    for (int c = 0; c < count; ++c) counted += v[c] >= at ? 1 : 0;
+    tr.rank_count[j] += counted;
+  }
+}
+
 }  // namespace cpu
 }  // namespace flashsampler

@@ -36,6 +36,11 @@ void MaskedRaw(const Row& row, int64_t begin, int count, const float* z,
 void VisitFinal(const Row& row, const float* z, const float* l, const float* x,
                 int64_t begin, int count, float max_gumbel, TaskRow& tr);
 
+// kRank: per sample, the tokens whose value in the logprobs' space (masked
+// raw logit, or processed logit of a survivor) is >= the sample's.
+void VisitRank(const Row& row, const float* z, const float* x, int64_t begin,
+               int count, TaskRow& tr);
+
 }  // namespace cpu
 }  // namespace flashsampler
 

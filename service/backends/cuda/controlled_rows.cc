@@ -120,6 +120,7 @@ ControlledRowInput ControlledInputFrom(const RowSpec& spec,
   in.n = p.n;
   in.top_n = p.logprobs.top_n;
   in.logprob_flags = (p.logprobs.sampled ? kLogprobSampled : 0u) |
+                     (p.logprobs.rank ? kLogprobRank : 0u) |
                      (p.logprobs.logsumexp ? kLogprobLogsumexp : 0u) |
                      (p.logprobs.raw ? kLogprobRaw : 0u);
   in.seed = spec.seed;

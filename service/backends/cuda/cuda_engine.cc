@@ -110,6 +110,7 @@ size_t AlignUp(size_t value, size_t alignment) {
 struct ControlledOutputLayout {
   size_t token_ids = 0;         // int32 [rows, samples]
   size_t sampled_logprobs = 0;  // float [rows, samples]
+  size_t sampled_ranks = 0;     // int32 [rows, samples]
   size_t logsumexp = 0;         // float [rows]
   size_t top_token_ids = 0;     // int32 [rows, top_n]
   size_t top_logprobs = 0;      // float [rows, top_n]
@@ -134,6 +135,7 @@ ControlledOutputLayout MakeControlledOutputLayout(int rows, int samples,
   };
   l.token_ids = take(per_sample);
   l.sampled_logprobs = take(per_sample);
+  l.sampled_ranks = take(per_sample);
   l.logsumexp = take(4 * r);
   l.top_token_ids = take(per_top);
   l.top_logprobs = take(per_top);
@@ -1124,6 +1126,8 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
         reinterpret_cast<int32_t*>(out + layout->token_ids) + sample_at;
     params.sampled_logprobs =
         reinterpret_cast<float*>(out + layout->sampled_logprobs) + sample_at;
+    params.sampled_ranks =
+        reinterpret_cast<int32_t*>(out + layout->sampled_ranks) + sample_at;
     params.logsumexp =
         reinterpret_cast<float*>(out + layout->logsumexp) + first;
     params.top_token_ids =
@@ -1189,6 +1193,8 @@ absl::Status CudaEngine::CollectControlled(Slot& slot, const BatchView& batch,
   const auto* tokens = reinterpret_cast<const int32_t*>(out + layout.token_ids);
   const auto* sampled =
       reinterpret_cast<const float*>(out + layout.sampled_logprobs);
+  const auto* ranks =
+      reinterpret_cast<const int32_t*>(out + layout.sampled_ranks);
   const auto* lse = reinterpret_cast<const float*>(out + layout.logsumexp);
   const auto* top_ids =
       reinterpret_cast<const int32_t*>(out + layout.top_token_ids);
@@ -1240,6 +1246,7 @@ absl::Status CudaEngine::CollectControlled(Slot& slot, const BatchView& batch,
       if (p.logprobs.sampled) {
         result.sampled_logprobs.push_back(sampled[sample_at + j]);
       }
+      if (p.logprobs.rank) result.sampled_ranks.push_back(ranks[sample_at + j]);
     }
     if (p.logprobs.logsumexp) result.logsumexp = lse[i];
     if (p.logprobs.top_n > 0) {

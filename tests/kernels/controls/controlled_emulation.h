@@ -22,6 +22,7 @@ struct EmulatedRow {
   int32_t error_token = -1;
   std::vector<int32_t> token_ids;
   std::vector<float> sampled_logprobs;
+  std::vector<int32_t> sampled_ranks;
   float logsumexp = 0.0f;
   std::vector<int32_t> top_token_ids;
   std::vector<float> top_logprobs;
@@ -128,6 +129,7 @@ inline EmulatedRow EmulateRow(const ControlledPlan& plan, int r, const float* z,
   const ControlledRow& c = plan.row_controls()[r];
   const bool greedy = c.temperature == 0.0f;
   const bool want_sampled = (c.logprob_flags & kLogprobSampled) != 0;
+  const bool want_rank = (c.logprob_flags & kLogprobRank) != 0;
   const bool want_lse = (c.logprob_flags & kLogprobLogsumexp) != 0;
   const bool raw = (c.logprob_flags & kLogprobRaw) != 0;
   const int32_t top_n = c.top_n < vocab ? c.top_n : vocab;
@@ -228,7 +230,7 @@ inline EmulatedRow EmulateRow(const ControlledPlan& plan, int r, const float* z,
   auto listed = [&](int32_t i) {
     return raw ? masked_raw[i] != controls::kNegInf : survives(i, x[i]);
   };
-  if (want_sampled || want_lse || top_n > 0) {
+  if (want_sampled || want_rank || want_lse || top_n > 0) {
     float v_max = x_max;
     if (raw) {
       v_max = controls::kNegInf;
@@ -248,6 +250,16 @@ inline EmulatedRow EmulateRow(const ControlledPlan& plan, int r, const float* z,
         const int32_t id = out.token_ids[k];
         out.sampled_logprobs.push_back(
             static_cast<float>(static_cast<double>(raw ? z[id] : x[id]) - lse));
+      }
+    }
+    if (want_rank) {
+      for (int k = 0; k < c.n; ++k) {
+        const int32_t id = out.token_ids[k];
+        const float v_k = raw ? z[id] : x[id];
+        int32_t count = 0;
+        for (int32_t i = 0; i < vocab; ++i)
+          count += listed(i) && (raw ? masked_raw[i] : x[i]) >= v_k ? 1 : 0;
+        out.sampled_ranks.push_back(count);
       }
     }
     uint64_t previous = ~0ull;

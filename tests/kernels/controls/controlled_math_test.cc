@@ -356,8 +356,8 @@ void EmulationEqualsCpu(int64_t vocab, int rows_per_case) {
           plan, r, logits.data() + static_cast<size_t>(r) * vocab,
           static_cast<int32_t>(vocab));
       testing_controls::ExpectRowEqual(
-          cpu[r], e.status, e.token_ids, e.sampled_logprobs, e.logsumexp,
-          e.top_token_ids, e.top_logprobs, *specs[r].params,
+          cpu[r], e.status, e.token_ids, e.sampled_logprobs, e.sampled_ranks,
+          e.logsumexp, e.top_token_ids, e.top_logprobs, *specs[r].params,
           c.name + " V=" + std::to_string(vocab) + " row " + std::to_string(r));
     }
     // Only one_row_all_masked has a failing row.

@@ -26,7 +26,7 @@ using testing_gpu::DeviceArray;
 
 struct GpuRows {
   std::vector<int32_t> status, error_token, token_ids, top_ids, top_count,
-      certified;
+      certified, ranks;
   std::vector<float> sampled, lse, top_logprobs;
   int max_samples = 1;
   int max_top_n = 0;
@@ -49,12 +49,14 @@ void RunGpu(const ControlledPlan& plan, const std::vector<float>& logits,
   const int ms = params.max_samples;
   const int mt = std::max(1, params.max_top_n);
   DeviceArray<int32_t> d_tokens(rows * ms), d_status(rows), d_error(rows),
-      d_top_ids(rows * mt), d_top_count(rows), d_certified(rows);
+      d_top_ids(rows * mt), d_top_count(rows), d_certified(rows),
+      d_ranks(rows * ms);
   DeviceArray<float> d_sampled(rows * ms), d_lse(rows), d_top_lp(rows * mt);
   params.token_ids = d_tokens.get();
   params.status = d_status.get();
   params.error_token = d_error.get();
   params.sampled_logprobs = d_sampled.get();
+  params.sampled_ranks = d_ranks.get();
   params.logsumexp = d_lse.get();
   params.top_token_ids = d_top_ids.get();
   params.top_logprobs = d_top_lp.get();
@@ -72,6 +74,7 @@ void RunGpu(const ControlledPlan& plan, const std::vector<float>& logits,
   FS_ASSERT_CUDA(d_error.Download(&out->error_token, rows));
   FS_ASSERT_CUDA(d_tokens.Download(&out->token_ids, rows * ms));
   FS_ASSERT_CUDA(d_sampled.Download(&out->sampled, rows * ms));
+  FS_ASSERT_CUDA(d_ranks.Download(&out->ranks, rows * ms));
   FS_ASSERT_CUDA(d_lse.Download(&out->lse, rows));
   FS_ASSERT_CUDA(d_top_ids.Download(&out->top_ids, rows * mt));
   FS_ASSERT_CUDA(d_top_lp.Download(&out->top_logprobs, rows * mt));
@@ -119,6 +122,11 @@ void CasesEqualCpu(int64_t vocab, int rows_per_case,
         sampled.assign(gpu.sampled.begin() + r * ms,
                        gpu.sampled.begin() + r * ms + n);
       }
+      std::vector<int32_t> ranks;
+      if (p.logprobs.rank) {
+        ranks.assign(gpu.ranks.begin() + r * ms,
+                     gpu.ranks.begin() + r * ms + n);
+      }
       const int listed = gpu.top_count[r];
       std::vector<int32_t> top_ids(gpu.top_ids.begin() + r * mt,
                                    gpu.top_ids.begin() + r * mt + listed);
@@ -127,7 +135,8 @@ void CasesEqualCpu(int64_t vocab, int rows_per_case,
       const std::string where =
           c.name + " V=" + std::to_string(vocab) + " row " + std::to_string(r);
       testing_controls::ExpectRowEqual(cpu[r], gpu.status[r], tokens, sampled,
-                                       gpu.lse[r], top_ids, top_lp, p, where);
+                                       ranks, gpu.lse[r], top_ids, top_lp, p,
+                                       where);
       if (gpu.status[r] != kControlledOk) {
         EXPECT_EQ(tokens, std::vector<int32_t>(n, -1)) << where;
         EXPECT_EQ(listed, 0) << where;

@@ -92,6 +92,7 @@ inline std::vector<uint32_t> Bitmask(int64_t vocab, uint64_t seed,
 inline LogprobRequest AllLogprobs(int top_n, bool raw) {
   LogprobRequest lp;
   lp.sampled = true;
+  lp.rank = true;
   lp.logsumexp = true;
   lp.top_n = top_n;
   lp.raw = raw;
@@ -315,11 +316,12 @@ inline std::vector<RowSpec> Specs(const Case& c, int rows, uint64_t seed) {
   return specs;
 }
 
-// Tokens and top ids exactly, logprobs within 1e-5 (relative, 1e-6 absolute
-// near zero), errors by kind.
+// Tokens, ranks and top ids exactly, logprobs within 1e-5 (relative, 1e-6
+// absolute near zero), errors by kind.
 inline void ExpectRowEqual(const RowResult& cpu, int32_t status,
                            const std::vector<int32_t>& token_ids,
                            const std::vector<float>& sampled_logprobs,
+                           const std::vector<int32_t>& sampled_ranks,
                            float logsumexp, const std::vector<int32_t>& top_ids,
                            const std::vector<float>& top_logprobs,
                            const SamplingParams& p, const std::string& where) {
@@ -343,6 +345,9 @@ inline void ExpectRowEqual(const RowResult& cpu, int32_t status,
           << where << " sample " << j << ": " << sampled_logprobs[j] << " vs "
           << cpu.sampled_logprobs[j];
     }
+  }
+  if (p.logprobs.rank) {
+    EXPECT_EQ(sampled_ranks, cpu.sampled_ranks) << where;
   }
   if (p.logprobs.logsumexp) {
     EXPECT_TRUE(near(logsumexp, cpu.logsumexp))

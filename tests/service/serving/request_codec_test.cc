@@ -238,16 +238,20 @@ TEST(RequestCodecTest, EncodesTokensSeedsAndLogprobs) {
   request.mutable_params()->mutable_logprobs()->set_sampled_logprob(true);
   request.mutable_params()->mutable_logprobs()->set_row_logsumexp(true);
   request.mutable_params()->mutable_logprobs()->set_top_logprobs(1);
+  request.mutable_params()->mutable_logprobs()->set_sampled_rank(true);
   DecodedRequest decoded;
   ASSERT_TRUE(DecodeSampleRequest(request, Config(), &decoded).ok());
+  EXPECT_TRUE(decoded.logprobs.rank);
   std::vector<RowResult> results(2);
   results[0].token_ids = {1, 2};
   results[0].sampled_logprobs = {-0.1f, -0.2f};
+  results[0].sampled_ranks = {1, 7};
   results[0].logsumexp = 3.0f;
   results[0].top_token_ids = {1};
   results[0].top_logprobs = {-0.1f};
   results[1].token_ids = {3, 4};
   results[1].sampled_logprobs = {-0.3f, -0.4f};
+  results[1].sampled_ranks = {2, 2};
   results[1].logsumexp = 4.0f;
   results[1].top_token_ids = {4};
   results[1].top_logprobs = {-0.4f};
@@ -259,11 +263,18 @@ TEST(RequestCodecTest, EncodesTokensSeedsAndLogprobs) {
   EXPECT_THAT(response.seeds(), ::testing::ElementsAre(10u, 11u));
   EXPECT_THAT(response.sampled_logprobs(),
               ::testing::ElementsAre(-0.1f, -0.2f, -0.3f, -0.4f));
+  EXPECT_THAT(response.sampled_ranks(), ::testing::ElementsAre(1, 7, 2, 2));
   EXPECT_THAT(response.row_logsumexp(), ::testing::ElementsAre(3.0f, 4.0f));
   ASSERT_EQ(response.top_logprobs_size(), 2);
   EXPECT_THAT(response.top_logprobs(1).token_ids(), ::testing::ElementsAre(4));
 
-  results[1].token_ids = {3};  // an engine bug must not reach the client
+  results[1].sampled_ranks = {2};  // an engine bug must not reach the client
+  v1::SampleResponse short_ranks;
+  EXPECT_EQ(
+      EncodeSampleResponse(request, decoded, results, &short_ranks).code(),
+      absl::StatusCode::kInternal);
+  results[1].sampled_ranks = {2, 2};
+  results[1].token_ids = {3};
   v1::SampleResponse bad;
   EXPECT_EQ(EncodeSampleResponse(request, decoded, results, &bad).code(),
             absl::StatusCode::kInternal);

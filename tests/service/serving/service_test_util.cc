@@ -165,6 +165,7 @@ absl::Status FakeEngine::Sample(const BatchView& batch,
       out.token_ids.push_back(
           FakeToken(h0, spec.seed, spec.step, j, info_.vocab_size));
       if (params.logprobs.sampled) out.sampled_logprobs.push_back(-1.0f);
+      if (params.logprobs.rank) out.sampled_ranks.push_back(1 + j);
     }
     out.logsumexp = 0.5f;
     for (int t = 0; t < params.logprobs.top_n; ++t) {

@@ -23,20 +23,22 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LogprobOptions(_message.Message):
-    __slots__ = ["row_logsumexp", "sampled_logprob", "space", "top_logprobs"]
+    __slots__ = ["row_logsumexp", "sampled_logprob", "sampled_rank", "space", "top_logprobs"]
     class Space(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = []
     PROCESSED: LogprobOptions.Space
     RAW: LogprobOptions.Space
     ROW_LOGSUMEXP_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_RANK_FIELD_NUMBER: _ClassVar[int]
     SPACE_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     row_logsumexp: bool
     sampled_logprob: bool
+    sampled_rank: bool
     space: LogprobOptions.Space
     top_logprobs: int
-    def __init__(self, sampled_logprob: bool = ..., row_logsumexp: bool = ..., top_logprobs: _Optional[int] = ..., space: _Optional[_Union[LogprobOptions.Space, str]] = ...) -> None: ...
+    def __init__(self, sampled_logprob: bool = ..., row_logsumexp: bool = ..., top_logprobs: _Optional[int] = ..., space: _Optional[_Union[LogprobOptions.Space, str]] = ..., sampled_rank: bool = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ["backend", "git_revision", "hidden_size", "max_batch_rows", "max_shared_memory_regions", "shards", "supported_features", "tp_degree", "version", "vocab_size", "weight_dtype", "weights_sha256", "weights_source", "weights_tensor"]
@@ -101,12 +103,13 @@ class SampleRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., row_params: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., seeds: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ["error", "n", "request_id", "row_logsumexp", "sampled_logprobs", "seeds", "timing", "token_ids", "top_logprobs"]
+    __slots__ = ["error", "n", "request_id", "row_logsumexp", "sampled_logprobs", "sampled_ranks", "seeds", "timing", "token_ids", "top_logprobs"]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROW_LOGSUMEXP_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_RANKS_FIELD_NUMBER: _ClassVar[int]
     SEEDS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -116,11 +119,12 @@ class SampleResponse(_message.Message):
     request_id: str
     row_logsumexp: _containers.RepeatedScalarFieldContainer[float]
     sampled_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    sampled_ranks: _containers.RepeatedScalarFieldContainer[int]
     seeds: _containers.RepeatedScalarFieldContainer[int]
     timing: Timing
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., n: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., seeds: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., row_logsumexp: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., n: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., seeds: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., row_logsumexp: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ["allowed_token_bitmask", "banned_token_ids", "frequency_penalty", "logit_bias", "logprobs", "min_p", "n", "output_token_counts", "presence_penalty", "prompt_token_ids", "repetition_penalty", "temperature", "top_k", "top_p"]

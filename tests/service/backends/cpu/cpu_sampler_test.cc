@@ -74,6 +74,7 @@ std::unique_ptr<CpuSampler> MakeSampler(std::shared_ptr<std::vector<float>> w,
 struct Reference {
   std::vector<int32_t> tokens;
   std::vector<double> sampled_logprobs;
+  std::vector<int32_t> sampled_ranks;
   double logsumexp = 0.0;
   std::vector<int32_t> top_ids;
   std::vector<double> top_logprobs;
@@ -217,6 +218,13 @@ Reference ReferenceSample(const std::vector<float>& z, const RowSpec& spec) {
   ref.logsumexp = m + std::log(sum);
   for (int32_t t : ref.tokens)
     ref.sampled_logprobs.push_back((raw ? z[t] : x[t]) - ref.logsumexp);
+  // Rank: the listed tokens whose value is >= the sampled token's.
+  for (int32_t t : ref.tokens) {
+    int32_t rank = 0;
+    for (int64_t i = 0; i < vocab; ++i)
+      rank += listed[i] && (raw ? z[i] >= z[t] : x[i] >= x[t]) ? 1 : 0;
+    ref.sampled_ranks.push_back(rank);
+  }
   std::vector<int32_t> ranked;
   for (int64_t i = 0; i < vocab; ++i) {
     if (listed[i]) ranked.push_back(static_cast<int32_t>(i));
@@ -242,6 +250,11 @@ void ExpectMatchesReference(const RowResult& got, const Reference& want,
       EXPECT_NEAR(got.sampled_logprobs[j], want.sampled_logprobs[j], 1e-5)
           << what;
     }
+  }
+  if (p.logprobs.rank) {
+    EXPECT_EQ(got.sampled_ranks, want.sampled_ranks) << what;
+  } else {
+    EXPECT_TRUE(got.sampled_ranks.empty()) << what;
   }
   if (p.logprobs.logsumexp) {
     EXPECT_NEAR(got.logsumexp, want.logsumexp,
@@ -303,6 +316,7 @@ SamplingParams RandomParams(std::mt19937& rng, int64_t vocab) {
     p.logprobs.logsumexp = coin(0.7);
     p.logprobs.top_n = pick(0, 1, 5, 20);
     p.logprobs.raw = coin(0.3);
+    p.logprobs.rank = coin(0.5);
   }
   return p;
 }
@@ -495,6 +509,10 @@ TEST(CpuSamplerTest, CutsInsideTiesKeepLowestIdsOnEveryPath) {
     p.n = 2;
     p.logprobs.sampled = true;
     p.logprobs.top_n = 3;
+    // Ranks over survivors cut inside ties (processed) and over every
+    // token (raw).
+    p.logprobs.rank = true;
+    p.logprobs.raw = r % 5 == 2;
     specs[r] = RowSpec{&p, static_cast<uint64_t>(77 + r), 3};
   }
   auto logit_source = MakeSampler(w, vocab, hidden);
@@ -909,6 +927,43 @@ TEST(CpuSamplerTest, GreedyTakesLowestIdAmongTies) {
   p.banned_token_ids = {300};
   ASSERT_TRUE(d.Sample(p, 9, &r).ok());
   EXPECT_EQ(r.token_ids[0], 513);
+}
+
+// vLLM's rank: 1 + the other tokens whose logprob is >= the sampled one's,
+// ties counted against it, in the space the logprobs are taken in.
+TEST(CpuSamplerTest, SampledRankCountsTiesInTheLogprobsSpace) {
+  const std::vector<float> logits = {3.0f, 1.0f, 3.0f, 2.0f, 1.0f, 0.5f};
+  DirectLogits d(logits, CpuSamplerOptions{2, 256, 4096});
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.n = 2;
+  p.logprobs.rank = true;
+  RowResult r;
+  ASSERT_TRUE(d.Sample(p, 1, &r).ok());
+  EXPECT_EQ(r.token_ids, (std::vector<int32_t>{0, 0}));
+  EXPECT_EQ(r.sampled_ranks, (std::vector<int32_t>{2, 2}));
+  EXPECT_TRUE(r.sampled_logprobs.empty());
+  // A bias makes token 4 the argmax: first of the processed logits, 4th
+  // and 5th of the raw ones (tied with token 1) until token 1 is banned.
+  p.logit_bias = {{4, 10.0f}};
+  ASSERT_TRUE(d.Sample(p, 1, &r).ok());
+  EXPECT_EQ(r.token_ids[0], 4);
+  EXPECT_EQ(r.sampled_ranks, (std::vector<int32_t>{1, 1}));
+  p.logprobs.raw = true;
+  ASSERT_TRUE(d.Sample(p, 1, &r).ok());
+  EXPECT_EQ(r.sampled_ranks, (std::vector<int32_t>{5, 5}));
+  p.banned_token_ids = {1};
+  ASSERT_TRUE(d.Sample(p, 1, &r).ok());
+  EXPECT_EQ(r.sampled_ranks, (std::vector<int32_t>{4, 4}));
+  // Processed, sampled: only survivors count. top_k = 2 keeps the two 3s.
+  SamplingParams s;
+  s.top_k = 2;
+  s.n = 4;
+  s.logprobs.rank = true;
+  for (uint64_t seed = 0; seed < 8; ++seed) {
+    ASSERT_TRUE(d.Sample(s, seed, &r).ok());
+    EXPECT_EQ(r.sampled_ranks, (std::vector<int32_t>(4, 2))) << seed;
+  }
 }
 
 TEST(CpuSamplerTest, RowWithEveryTokenMaskedIsAnErrorNamingTheRow) {

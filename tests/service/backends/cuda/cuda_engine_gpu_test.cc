@@ -156,6 +156,7 @@ void ExpectRowsEqual(const std::vector<RowResult>& gpu,
     EXPECT_EQ(g.error, c.error) << row;
     if (!c.error.empty()) continue;
     EXPECT_EQ(g.token_ids, c.token_ids) << row;
+    EXPECT_EQ(g.sampled_ranks, c.sampled_ranks) << row;
     EXPECT_EQ(g.top_token_ids, c.top_token_ids) << row;
     ASSERT_EQ(g.sampled_logprobs.size(), c.sampled_logprobs.size()) << row;
     for (size_t j = 0; j < g.sampled_logprobs.size(); ++j) {
@@ -617,6 +618,7 @@ TEST_F(CudaEngineGpuTest,
     params[0].prompt_token_ids = ids(32);
     for (int32_t id : ids(32)) params[0].output_token_counts.push_back({id, 2});
     params[0].logprobs.sampled = true;
+    params[0].logprobs.rank = true;
     params[0].logprobs.logsumexp = true;
     params[0].logprobs.top_n = 5;
     params[1].top_k = 40;  // bounds top_p: no tail to hold masked tokens
@@ -634,6 +636,7 @@ TEST_F(CudaEngineGpuTest,
     params[4].repetition_penalty = 1.3f;
     params[4].prompt_token_ids = ids(64);
     params[4].logprobs.sampled = true;
+    params[4].logprobs.rank = true;
     params[4].n = 2;
     params[5].temperature = 0.7f;  // a top_p tail without the entries
     params[5].top_p = 0.95f;
@@ -695,6 +698,7 @@ TEST_F(CudaEngineGpuTest,
           EXPECT_NEAR(a.sampled_logprobs[k], b.sampled_logprobs[k], 1e-5)
               << row;
         }
+        EXPECT_EQ(a.sampled_ranks, b.sampled_ranks) << row;
         EXPECT_NEAR(a.logsumexp, b.logsumexp, 1e-5) << row;
         EXPECT_EQ(a.top_token_ids, b.top_token_ids) << row;
         ASSERT_EQ(a.top_logprobs.size(), b.top_logprobs.size()) << row;
