@@ -7,7 +7,9 @@
 // same exact sampler. "units_*" is the candidate path from the fused
 // kernel's unit candidates instead of its logits (the CUDA engine's path for
 // rows whose sets a filter closes; with a bitmask or per-token entries the
-// units rank by token classes); its full-pass-rows column is
+// units rank by token classes, made with the bitmask, so that raw
+// logprobs' masses at T = 1 hold allowed tokens alone); its full-pass-rows
+// column is
 // the share of rows it could not certify, which the engine samples again
 // from materialized logits. Median of --iters calls after --warmup calls, L2
 // flushed before each (bench_common.h). Writes results_controls.csv into
@@ -124,8 +126,8 @@ struct Controls {
   float min_p = 0.0f;
   bool everything = false;  // + bias, penalties, half-vocabulary bitmask,
                             // sampled logprob and top-5
-  // The logprobs in the raw space (the API's default), which the engine
-  // takes from the logits: no units' method.
+  // The logprobs in the raw space (the API's default): the units' tails
+  // hold each row's mass at T = 1.
   bool raw_logprobs = false;
 };
 
@@ -197,6 +199,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   int32_t* tokens = nullptr;
   float* inv_temperature = nullptr;
   float* greedy_inv_temperature = nullptr;  // all 0: every row greedy
+  float* unit_inv_temperature = nullptr;    // all 1: raw logprobs' tails
   uint64_t* seeds = nullptr;
   uint64_t* steps = nullptr;
   void* fused_workspace = nullptr;
@@ -228,6 +231,12 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   BENCH_CHECK(cudaMalloc(&inv_temperature, sizeof(float) * max_batch));
   BENCH_CHECK(cudaMalloc(&greedy_inv_temperature, sizeof(float) * max_batch));
   BENCH_CHECK(cudaMemset(greedy_inv_temperature, 0, sizeof(float) * max_batch));
+  BENCH_CHECK(cudaMalloc(&unit_inv_temperature, sizeof(float) * max_batch));
+  {
+    const std::vector<float> ones(max_batch, 1.0f);
+    BENCH_CHECK(cudaMemcpy(unit_inv_temperature, ones.data(),
+                           sizeof(float) * max_batch, cudaMemcpyHostToDevice));
+  }
   BENCH_CHECK(cudaMalloc(&seeds, sizeof(uint64_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&steps, sizeof(uint64_t) * max_batch));
   BENCH_CHECK(cudaMalloc(&fused_workspace, fused_workspace_bytes));
@@ -428,13 +437,20 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       units.records = unit_records;
       units.row_bound = unit_row_maxima;
       units.row_top = unit_row_maxima + max_batch;
+      // Raw logprobs: the mass at T = 1 (no row here also wants a top_p
+      // tail, which the engine would take from the logits at T != 1).
       units.tail_inv_temperature =
-          controls::UnitTailWanted(controls.temperature, controls.top_k,
-                                   controls.top_p, vocab)
+          controls.raw_logprobs ? unit_inv_temperature
+          : controls::UnitTailWanted(controls.temperature, controls.top_k,
+                                     controls.top_p, vocab)
               ? inv_temperature
               : greedy_inv_temperature;
-      // Bitmask and per-token entries: the units rank by token classes.
-      if (controls.everything) units.token_classes = unit_token_classes;
+      // Bitmask and per-token entries: the units rank by token classes,
+      // made from the plan with its bitmasks.
+      if (controls.everything) {
+        units.token_classes = unit_token_classes;
+        units.bitmask_in_classes = true;
+      }
       auto sample = [&] {
         return LaunchControlledSample(params, controlled_workspace,
                                       controlled_workspace_bytes, stream);
@@ -463,25 +479,24 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
           !record_fallback() ||
           // The units' candidate path; its uncertified rows would take the
           // path above as well.
-          (!controls.raw_logprobs &&
-           !time("units_" + controls.name,
-                 [&] {
-                   cudaError_t error =
-                       units.token_classes == nullptr
-                           ? cudaSuccess
-                           : LaunchUnitTokenClasses(params, unit_token_classes,
-                                                    stream);
-                   if (error == cudaSuccess) {
-                     error = fused_units(h, batch, units.tail_inv_temperature,
-                                         units.token_classes);
-                   }
-                   return error != cudaSuccess
-                              ? error
-                              : LaunchControlledSampleFromUnits(
-                                    params, units, controlled_workspace,
-                                    controlled_workspace_bytes, stream);
-                 })) ||
-          (!controls.raw_logprobs && !record_fallback()) ||
+          !time("units_" + controls.name,
+                [&] {
+                  cudaError_t error =
+                      units.token_classes == nullptr
+                          ? cudaSuccess
+                          : LaunchUnitTokenClasses(params, unit_token_classes,
+                                                   stream);
+                  if (error == cudaSuccess) {
+                    error = fused_units(h, batch, units.tail_inv_temperature,
+                                        units.token_classes);
+                  }
+                  return error != cudaSuccess
+                             ? error
+                             : LaunchControlledSampleFromUnits(
+                                   params, units, controlled_workspace,
+                                   controlled_workspace_bytes, stream);
+                }) ||
+          !record_fallback() ||
           !time("sampler_only_" + controls.name, sample) ||
           !time("cublas_" + controls.name,
                 [&] {
@@ -539,6 +554,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   }
   for (void* pointer :
        {static_cast<void*>(greedy_inv_temperature),
+        static_cast<void*>(unit_inv_temperature),
         static_cast<void*>(unit_records), static_cast<void*>(unit_row_maxima),
         static_cast<void*>(unit_token_classes)}) {
     BENCH_CHECK(cudaFree(pointer));

@@ -1135,8 +1135,11 @@ struct MergeShared {
   int gathered;
   double unit_tail;
   double unit_written;
-  // Each computed sample's processed logit (the sampled logprob's).
+  float unit_sum_ref;  // what unit_tail and unit_written are relative to
+  // Each computed sample's processed logit (the sampled logprob's), and on
+  // the units' path its raw logit (raw logprobs).
   float sample_x[kMergeSampleRoom];
+  float sample_raw[kMergeSampleRoom];
   int sorted_count;
   int select_bin;
   int cut_index;     // survivors: sorted[0 .. cut_index]
@@ -1315,13 +1318,17 @@ __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
 // values are the merge kernel's; masked tokens (the row's bitmask) are
 // ranked too, and gathered here like the others (the merge kernel leaves
 // them out after), so that the bound bounds every allowed token left out.
+// For raw-logprob rows (want_raw_mass) it sums instead the mass at T = 1
+// of the tokens the units left out and of the written candidates not
+// gathered, relative to the units' highest raw logit (m.unit_sum_ref).
 // False (in every thread) where the row cannot be certified here: per-token
 // entries the units did not leave out (no token classes), a bitmask on a
-// row whose tail is wanted (the units' tails hold masked tokens), raw
-// logprobs (the mass of every token), a non-finite logit, a maximum not
-// above every bound, a tail summed at another temperature, or a closest
-// bin alone over `room`. use_min_p and want_tail (top_p that top_k does
-// not bound) are the merge kernel's filters of the row; x_max is the row's
+// row whose tail is wanted or whose raw mass is, unless the classes hold
+// the bitmask (else the units' tails hold masked tokens), a non-finite
+// logit, a maximum not above every bound, a tail summed at another
+// temperature (1 for raw mass), or a closest bin alone over `room`.
+// use_min_p and want_tail (top_p that top_k does not bound) are the merge
+// kernel's filters of the row; x_max is the row's
 // largest processed logit (the units' highest key or an entry's), on a
 // row with a bitmask an upper bound on it (the units' highest may be
 // masked), and g->x_max the largest itself. Every thread calls it.
@@ -1329,38 +1336,46 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
                                      const ControlledUnits& u,
                                      const ControlledRow& c, int r, float inv_t,
                                      float x_max, bool use_min_p,
-                                     bool want_tail, float* cand_raw,
-                                     int32_t* cand_id, int room, MergeShared& m,
-                                     UnitGather* g) {
+                                     bool want_tail, bool want_raw_mass,
+                                     float* cand_raw, int32_t* cand_id,
+                                     int room, MergeShared& m, UnitGather* g) {
   const uint32_t unit_bound = m.unit_row_bound;
   const uint32_t top = m.unit_row_top;
+  // One sum at most: a top_p tail (at 1 / T, below x_max, over members) or
+  // the raw logprobs' mass (at T = 1, below the units' highest raw logit,
+  // over every token): a unit holds one tail.
+  const bool want_sums = want_tail || want_raw_mass;
+  const float sum_inv_t = want_raw_mass ? 1.0f : inv_t;
   if ((c.special_begin != c.special_end && !u.token_classes) ||
-      (c.bitmask_offset >= 0 && want_tail) ||
-      (WantsLogprobs(c) && (c.logprob_flags & kLogprobRaw) != 0) ||
+      (want_tail && want_raw_mass) ||
+      (c.bitmask_offset >= 0 && want_sums && !u.bitmask_in_classes) ||
       unit_bound == kUnitNonFinite || !(top > unit_bound) ||
-      (want_tail && (u.tail_inv_temperature == nullptr ||
-                     u.tail_inv_temperature[r] != inv_t))) {
+      (want_sums && (u.tail_inv_temperature == nullptr ||
+                     u.tail_inv_temperature[r] != sum_inv_t))) {
     return false;
   }
-  const float floor =
-      use_min_p ? controls::MinPFloor(x_max, c.log_min_p) : controls::kNegInf;
+  const float floor = use_min_p && !want_raw_mass
+                          ? controls::MinPFloor(x_max, c.log_min_p)
+                          : controls::kNegInf;
+  const float sum_ref = want_raw_mass ? controls::KeyValue(top) : x_max;
   const int64_t units = UnitsPerRow(p.vocab);
-  // Top-p rows: the unseen members' mass relative to x_max, fp32 terms
-  // summed per thread in fp64. Each term is within 3e-5 of exact (a unit's
-  // fp32 tail within 2e-5: StoreStagedQuadUnits; expf within 2 ulp, the
-  // rounding of x - x_max within |x - x_max| 2^-24 < 6e-6 where expf does
-  // not underflow; a term that underflows is below 2^-126, far under one
-  // FixedMass unit, 2^-62): inside UnseenMassFromApprox's 1e-3 of headroom.
-  // `tail`: the tokens the units left out (members where there is no min_p
-  // floor); `written`: the written candidates left out that are members.
-  // Against a double exp per term (FixedMass's), qwen top_p 0.9 at 16 and
-  // 128 rows: 457 and 492 against 464 and 500 us (H100, two calls).
+  // The unseen tokens' mass relative to sum_ref, fp32 terms summed per
+  // thread in fp64. Each term is within 3e-5 of exact (a unit's fp32 tail
+  // within 2e-5: StoreStagedQuadUnits; expf within 2 ulp, the rounding of
+  // x - sum_ref within |x - sum_ref| 2^-24 < 6e-6 where expf does not
+  // underflow; a term that underflows is below 2^-126, far under one
+  // FixedMass unit, 2^-62): inside UnseenMassFromApprox's 1e-3 of headroom,
+  // and a raw lse within 3e-5 times the unseen tokens' share of the row's
+  // mass. `tail`: the tokens the units left out (members where there is no
+  // min_p floor); `written`: the written candidates left out that are
+  // members. Against a double exp per term (FixedMass's), qwen top_p 0.9 at
+  // 16 and 128 rows: 457 and 492 against 464 and 500 us (H100, two calls).
   double tail = 0.0;
   double written = 0.0;
   unsigned long long bad = 0;
   auto add_written = [&](float raw) {
-    const float x = controls::ScaledLogit(raw, inv_t);
-    if (x >= floor) written += expf(FS_FSUB(x, x_max));
+    const float x = controls::ScaledLogit(raw, sum_inv_t);
+    if (x >= floor) written += expf(FS_FSUB(x, sum_ref));
   };
   auto gather = [&](int64_t q, int slot, float raw) {
     const int at = atomicAdd(&m.gathered, 1);
@@ -1372,23 +1387,23 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
   VisitUnits<4>(
       u, r, units,
       [&](uint32_t bound, float unit_tail) {
-        if (!want_tail || bound == 0u) return;
+        if (!want_sums || bound == 0u) return;
         if (!(unit_tail >= 0.0f)) bad = 1;  // not summed at this row's 1 / T
         const float unit_top =
-            controls::ScaledLogit(controls::KeyValue(bound), inv_t);
-        tail += FS_FMUL(unit_tail, expf(FS_FSUB(unit_top, x_max)));
+            controls::ScaledLogit(controls::KeyValue(bound), sum_inv_t);
+        tail += FS_FMUL(unit_tail, expf(FS_FSUB(unit_top, sum_ref)));
       },
       [&](int64_t q, int slot, float raw) {
         if (controls::OrderKey(raw) > unit_bound) {
           gather(q, slot, raw);
           return true;
         }
-        if (want_tail) add_written(raw);
+        if (want_sums) add_written(raw);
         // Every unit bound has its low 5 bits set, so a key is above the
         // highest one iff its top 27 bits are, and a record's candidates
         // come in descending order of those: once one is not above, none
         // after it is.
-        return want_tail;
+        return want_sums;
       });
   __syncthreads();
   int count = m.gathered;
@@ -1428,7 +1443,7 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
         gather(q, slot, raw);
       } else {
         left_out = key > left_out ? key : left_out;
-        if (want_tail) add_written(raw);
+        if (want_sums) add_written(raw);
       }
       return true;
     });
@@ -1436,13 +1451,14 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
     bound = static_cast<uint32_t>(left_out);
     count = m.gathered;  // <= room; BlockReduce's barriers order it
   }
-  if (want_tail) {
+  if (want_sums) {
     bad = BlockReduce(bad, MaxU64{}, m.sh);
     tail = BlockReduce(tail, SumDouble{}, m.sh);
     written = BlockReduce(written, SumDouble{}, m.sh);
     if (threadIdx.x == 0) {
       m.unit_tail = tail;
       m.unit_written = written;
+      m.unit_sum_ref = sum_ref;
     }
   }
   if (bad) return false;
@@ -1580,7 +1596,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (!GatherUnitCandidates(
             p, u, c, r, inv_t, x_max, use_min_p,
             controls::UnitTailWanted(c.temperature, c.top_k, c.top_p, vocab),
-            cand_raw, cand_id, room, m, &gathered)) {
+            raw_mode && WantsLogprobs(c), cand_raw, cand_id, room, m,
+            &gathered)) {
       return;
     }
     slots = gathered.count;
@@ -1904,7 +1921,28 @@ __global__ void __launch_bounds__(kThreads, 2)
   int listed = 0;
   if (want_sampled || want_rank || want_lse || top_n > 0) {
     double lse = 0.0;
-    if (raw_mode) {
+    if (raw_mode && kFromUnits) {
+      // The gathered candidates and the entries the masks allow, in fp64,
+      // with the units' left-out mass (GatherUnitCandidates), relative to
+      // the units' highest raw logit. Each sample's raw logit from the
+      // candidate or entry that holds its id.
+      const double ref = static_cast<double>(m.unit_sum_ref);
+      double sum = 0.0;
+      for_each([&](float, float raw, int32_t) {
+        if (raw != controls::kNegInf)
+          sum = __dadd_rn(sum, ::exp(static_cast<double>(raw) - ref));
+      });
+      sum = BlockReduce(sum, SumDouble{}, sh);  // also publishes the tokens
+      if (want_sampled || want_rank) {
+        for_each([&](float, float raw, int32_t id) {
+          for (int k = 0; k < (greedy ? 1 : c.n); ++k) {
+            if (id == tokens[k]) m.sample_raw[k] = raw;
+          }
+        });
+        __syncthreads();
+      }
+      lse = ref + ::log(sum + m.unit_tail + m.unit_written);
+    } else if (raw_mode) {
       // Per-chunk partial sums, combined in chunk order by warp 0; its
       // result goes through sh.scratch, which the last BlockReduce's
       // readers must be done with.
@@ -1997,13 +2035,21 @@ __global__ void __launch_bounds__(kThreads, 2)
     // Ranks: the tokens whose value is >= the sampled token's. Processed:
     // the survivors, all seen (closed). Raw: the candidates and entries,
     // where the value lies above every unseen token's raw logit; else the
-    // full passes count the row. The units' path takes no raw-mode row
-    // (GatherUnitCandidates), so z is the logits wherever raw_mode holds.
+    // row is not certified.
     int32_t* const ranks =
         want_rank ? p.sampled_ranks + static_cast<int64_t>(r) * p.max_samples
                   : nullptr;
+    // A sample's raw logit: on the units' path from its candidate or entry
+    // (the raw lse's pass above), else from the logits.
+    auto sampled_raw = [&](int k) {
+      if constexpr (kFromUnits) {
+        return m.sample_raw[k];
+      } else {
+        return z[tokens[k]];
+      }
+    };
     for (int k = 0; want_rank && k < (greedy ? 1 : c.n); ++k) {
-      const float v_k = raw_mode ? z[tokens[k]] : m.sample_x[k];
+      const float v_k = raw_mode ? sampled_raw(k) : m.sample_x[k];
       if (raw_mode && outside && !(v_k > raw_bound)) return;
       unsigned long long count = 0;
       if (!raw_mode && prefix) {
@@ -2027,10 +2073,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (tid == 0) {
       if (want_lse) p.logsumexp[r] = static_cast<float>(lse);
       if (want_sampled) {
-        // The logprobs' reductions above published sample_x. The units'
-        // path takes no raw-mode row (GatherUnitCandidates).
+        // The logprobs' reductions above published sample_x and
+        // sample_raw.
         for (int k = 0; k < c.n; ++k) {
-          const float v = raw_mode ? z[tokens[k]] : m.sample_x[greedy ? 0 : k];
+          const float v = raw_mode ? sampled_raw(greedy ? 0 : k)
+                                   : m.sample_x[greedy ? 0 : k];
           p.sampled_logprobs[static_cast<int64_t>(r) * p.max_samples + k] =
               static_cast<float>(static_cast<double>(v) - lse);
         }
@@ -2047,22 +2094,29 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // One block per row: the row's UnitCandidates::token_classes words, every
-// token ranked, then each per-token entry moved from ranked to entry. Rows
-// past `vocab` in the last word have neither bit. The bitmask stays out:
-// the merge kernel leaves masked candidates out of its gather, and the
-// bitmask words (19 KB a row at V = 151936) are packed and copied while the
-// fused kernel runs instead of before it.
+// allowed token ranked (every token where params carries no bitmask for
+// the row), then each per-token entry moved from ranked to entry. Rows
+// past `vocab` in the last word have neither bit. Without the bitmask the
+// merge kernel leaves masked candidates out of its gather, and the bitmask
+// words (19 KB a row at V = 151936) are packed and copied while the fused
+// kernel runs instead of before it; with it, masked tokens are in no tail
+// either (a top_p tail or a raw logprobs mass of a bitmask row).
 __global__ void __launch_bounds__(kThreads)
     UnitTokenClassesKernel(const ControlledSampleParams p,
                            uint32_t* __restrict__ classes) {
   const int r = blockIdx.x;
   const ControlledRow c = p.row_controls[r];
   const int64_t words = UnitClassWordsPerRow(p.vocab);
+  const uint32_t* mask = c.bitmask_offset >= 0 && p.bitmask != nullptr
+                             ? p.bitmask + c.bitmask_offset
+                             : nullptr;
   uint32_t* row = classes + r * words;
   for (int64_t j = threadIdx.x; j < words; j += kThreads) {
     uint32_t ranked = 0xffffu;
     const int64_t left = p.vocab - 16 * j;
     if (left < 16) ranked &= (1u << left) - 1u;
+    // Tokens 16 j .. 16 j + 15: half j % 2 of bitmask word j / 2.
+    if (mask != nullptr) ranked &= mask[j >> 1] >> (16 * (j & 1));
     row[j] = ranked;
   }
   __syncthreads();
@@ -2175,8 +2229,8 @@ CandidateWorkspace CandidateWorkspaceIn(const ControlledSampleParams& params,
 }
 
 // Whether this device can run the merge kernel over `chunks` chunks a row,
-// and the dynamic shared memory it takes: 106,540 bytes at V = 151936; a
-// device with less per block (101,376 on sm_86 and sm_89 at V > 133120)
+// and the dynamic shared memory it takes: 107,100 bytes at V = 151936; a
+// device with less per block (101,376 on sm_86 and sm_89 at V > 129024)
 // samples every row by the full passes.
 cudaError_t MergeFits(int chunks, bool* fits, size_t* shared_bytes) {
   *shared_bytes = sizeof(MergeShared) + MergeCandidateBytes(chunks);

@@ -36,17 +36,29 @@ bool NeedsControlledSampler(const SamplingParams& p) {
 bool HasTokenEntries(const SamplingParams& p) { return ListEntries(p) > 0; }
 
 bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab) {
-  if (!p.allowed_bitmask.empty() &&
-      controls::UnitTailWanted(p.greedy() ? 0.0f : p.temperature, p.top_k,
-                               p.top_p, vocab)) {
-    return false;
-  }
   if (p.logprobs.any()) {
-    if (p.logprobs.raw || p.greedy()) return false;
+    if (p.logprobs.raw) {
+      // One tail a unit: a top_p tail at 1 / T over the members, or the raw
+      // mass at T = 1 over every token.
+      if (controls::UnitTailWanted(p.greedy() ? 0.0f : p.temperature, p.top_k,
+                                   p.top_p, vocab)) {
+        return false;
+      }
+      if (p.greedy()) return true;
+    } else if (p.greedy()) {
+      return false;
+    }
   } else if (p.greedy() || !p.has_token_transforms()) {
     return true;
   }
   return (p.top_k > 0 && p.top_k < vocab) || p.top_p < 1.0f || p.min_p > 0.0f;
+}
+
+bool UnitTailsHoldMask(const SamplingParams& p, int64_t vocab) {
+  return !p.allowed_bitmask.empty() &&
+         ((p.logprobs.any() && p.logprobs.raw) ||
+          controls::UnitTailWanted(p.greedy() ? 0.0f : p.temperature, p.top_k,
+                                   p.top_p, vocab));
 }
 
 absl::Status ValidateCudaRow(const SamplingParams& p, int64_t vocab) {

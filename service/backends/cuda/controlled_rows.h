@@ -61,14 +61,20 @@ bool NeedsControlledSampler(const SamplingParams& p);
 // top_k, top_p, min_p and n alone, or greedy with per-token transforms
 // (bias, bans and penalized ids, which the units leave out and the merge
 // kernel adds at their exact values; a bitmask, whose masked candidates the
-// merge kernel leaves out), or transforms and
-// processed logprobs under a filter that closes the set (top_k below V,
-// top_p, min_p). Raw logprobs (every allowed token's mass) and a greedy
-// row's logprobs (over every token) need the logits, and so does a sampled
-// row with transforms and no such filter, whose open set the units would
-// rarely certify; and so does a row with a bitmask whose top_p top_k does
-// not bound (the units' tail masses hold masked tokens).
+// merge kernel leaves out), or transforms and logprobs under a filter that
+// closes the set (top_k below V, top_p, min_p), or greedy with raw
+// logprobs (every allowed token's mass at T = 1, from the units' tails).
+// Processed logprobs of a greedy row (over every token) need the logits,
+// and so does a sampled row with transforms and no such filter, whose open
+// set the units would rarely certify, and a row with raw logprobs and a
+// top_p that top_k does not bound (a unit has one tail: the top_p mass or
+// the raw mass).
 bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab);
+
+// True when the row's units must leave its masked tokens out of their
+// tails (a bitmask, and a top_p that top_k does not bound, or raw
+// logprobs): the batch's token classes are then made with the bitmasks.
+bool UnitTailsHoldMask(const SamplingParams& p, int64_t vocab);
 
 // True when the row has per-token entries (logit_bias, banned ids, prompt
 // ids under a repetition penalty, output counts): the units leave those

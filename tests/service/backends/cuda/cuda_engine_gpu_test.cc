@@ -648,14 +648,23 @@ TEST_F(CudaEngineGpuTest,
     std::uniform_real_distribution<float> peaked(-22.0f * scale, 22.0f * scale);
     int controlled_rows = 0;
     int served_rows = 0;
-    for (int round = 0; round < 5; ++round) {
-      // Rounds 3 and 4 add a raw-logprobs row and a bitmask row with top_p
-      // alone: the whole batch takes the logits.
+    for (int round = 0; round < 7; ++round) {
+      // Rounds 3 to 6 add a row the units serve from tails at T = 1 or with
+      // the bitmask in the token classes: raw logprobs (top_k 40, top 3),
+      // a bitmask row with top_p alone, everything with raw logprobs and
+      // ranks, and a greedy row with raw logprobs.
       SamplingParams raw = params[7];
       raw.logprobs.raw = true;
       if (round == 4) {
         raw = params[1];
         raw.top_k = 0;
+      } else if (round == 5) {
+        raw = params[0];
+        raw.logprobs.raw = true;
+      } else if (round == 6) {
+        raw = params[3];
+        raw.logprobs = params[0].logprobs;
+        raw.logprobs.raw = true;
       }
       std::vector<float> hidden(static_cast<size_t>(rows) * hidden_size);
       std::vector<RowResult> from_units;
@@ -678,7 +687,7 @@ TEST_F(CudaEngineGpuTest,
       StageHidden(**units, 0, hidden);
       ASSERT_TRUE(
           (*units)->Sample(BatchView{0, rows, specs.data()}, &from_units).ok());
-      EXPECT_EQ(batches->load() - batches_before, round < 3 ? 1 : 0)
+      EXPECT_EQ(batches->load() - batches_before, 1)
           << where << ", round " << round;
       StageHidden(**logits, 0, hidden);
       ASSERT_TRUE((*logits)
@@ -711,7 +720,7 @@ TEST_F(CudaEngineGpuTest,
           EXPECT_LE(a.top_token_ids.size(), 5u) << row;
           EXPECT_EQ(a.sampled_logprobs.size(), 1u) << row;
         }
-        if (round < 3 && i % 8 != 6) {
+        if (i % 8 != 6) {
           ++controlled_rows;
           served_rows += a.exact_fallback == nullptr;
           if (a.exact_fallback != nullptr) {
