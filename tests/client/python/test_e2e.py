@@ -178,6 +178,44 @@ class DaemonTest(unittest.TestCase):
         replay, _ = self.client.sample(hidden, seeds=seeds, n=2)
         np.testing.assert_array_equal(tokens, replay)
 
+    def test_sampled_ranks_and_logprobs_match_the_top_list(self):
+        # top_k 5 keeps the five listed tokens (processed space): each
+        # sample's rank is 1 + its place in the top list, and its logprob
+        # the listed one (float logits: no ties).
+        hidden = np.random.default_rng(9).standard_normal(
+            (3, HIDDEN)).astype(np.float32)
+        params = flashsampler_client.sampler_pb2.SamplingParams(
+            top_k=5, n=4)
+        params.logprobs.sampled_logprob = True
+        params.logprobs.sampled_rank = True
+        params.logprobs.top_logprobs = 5
+        params.logprobs.space = (
+            flashsampler_client.sampler_pb2.LogprobOptions.PROCESSED)
+        response = self.client.sample_response(hidden, params=params,
+                                               seeds=[1, 2, 3])
+        self.assertEqual(len(response.sampled_ranks), 12)
+        for row in range(3):
+            listed = list(response.top_logprobs[row].token_ids)
+            self.assertEqual(len(listed), 5)
+            for j in range(4):
+                token = response.token_ids[row * 4 + j]
+                place = listed.index(token)
+                self.assertEqual(response.sampled_ranks[row * 4 + j],
+                                 place + 1)
+                self.assertAlmostEqual(
+                    response.sampled_logprobs[row * 4 + j],
+                    response.top_logprobs[row].logprobs[place], places=6)
+        # Without the option the field stays empty; the CLI's --logprobs
+        # asks for ranks and prints them.
+        params.logprobs.sampled_rank = False
+        response = self.client.sample_response(hidden, params=params)
+        self.assertEqual(len(response.sampled_ranks), 0)
+        cli = self.cli("sample", "--hidden_file=" + self.save(
+            "ranks.npy", hidden), "--logprobs", "--top_k=1", "--seed=4")
+        ranks = [line for line in cli.stdout.splitlines()
+                 if line.startswith("ranks ")]
+        self.assertEqual(ranks, [f"ranks {row}: 1" for row in range(3)])
+
     def test_wrong_hidden_size_is_invalid_argument(self):
         with self.assertRaises(flashsampler_client.InvalidArgumentError) as ctx:
             self.client.sample(np.ones((2, HIDDEN - 1), np.float32))
