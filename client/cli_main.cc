@@ -232,25 +232,19 @@ int RunSample(SamplerClient& client) {
   if (!response.ok()) return Fail(response.status());
   const int n = std::max(response->n(), 1);
   const int64_t rows = response->token_ids_size() / n;
+  // "<label> <row>: v0 v1 ..." for row's n values of a [B, n] field, when
+  // the response carries the field.
+  auto print_row = [&](const char* label, int64_t row, const auto& field) {
+    if (field.size() != response->token_ids_size()) return;
+    std::printf("%s %lld: %s\n", label, static_cast<long long>(row),
+                absl::StrJoin(field.begin() + row * n,
+                              field.begin() + (row + 1) * n, " ")
+                    .c_str());
+  };
   for (int64_t row = 0; row < rows; ++row) {
-    std::vector<int32_t> tokens(response->token_ids().begin() + row * n,
-                                response->token_ids().begin() + (row + 1) * n);
-    std::printf("row %lld: %s\n", static_cast<long long>(row),
-                absl::StrJoin(tokens, " ").c_str());
-    if (response->sampled_logprobs_size() == response->token_ids_size()) {
-      std::vector<float> logprobs(
-          response->sampled_logprobs().begin() + row * n,
-          response->sampled_logprobs().begin() + (row + 1) * n);
-      std::printf("logprobs %lld: %s\n", static_cast<long long>(row),
-                  absl::StrJoin(logprobs, " ").c_str());
-    }
-    if (response->sampled_ranks_size() == response->token_ids_size()) {
-      std::vector<int32_t> ranks(
-          response->sampled_ranks().begin() + row * n,
-          response->sampled_ranks().begin() + (row + 1) * n);
-      std::printf("ranks %lld: %s\n", static_cast<long long>(row),
-                  absl::StrJoin(ranks, " ").c_str());
-    }
+    print_row("row", row, response->token_ids());
+    print_row("logprobs", row, response->sampled_logprobs());
+    print_row("ranks", row, response->sampled_ranks());
   }
   std::printf("seeds: %s\n", absl::StrJoin(response->seeds(), " ").c_str());
   const v1::Timing& timing = response->timing();
