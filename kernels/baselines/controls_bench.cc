@@ -7,9 +7,10 @@
 // same exact sampler. "units_*" is the candidate path from the fused
 // kernel's unit candidates instead of its logits (the CUDA engine's path for
 // rows whose sets a filter closes; with a bitmask or per-token entries the
-// units rank by token classes, made with the bitmask, so that raw
-// logprobs' masses at T = 1 hold allowed tokens alone); its full-pass-rows
-// column is
+// units rank by token classes; raw logprobs from the units' tails at
+// T = 1, except on bitmask rows, whose tails would hold masked tokens: no
+// units method for them, as the engine takes their logits); its
+// full-pass-rows column is
 // the share of rows it could not certify, which the engine samples again
 // from materialized logits. Median of --iters calls after --warmup calls, L2
 // flushed before each (bench_common.h). Writes results_controls.csv into
@@ -126,8 +127,9 @@ struct Controls {
   float min_p = 0.0f;
   bool everything = false;  // + bias, penalties, half-vocabulary bitmask,
                             // sampled logprob and top-5
-  // The logprobs in the raw space (the API's default): the units' tails
-  // hold each row's mass at T = 1.
+  // The logprobs (the sampled one and the top 5; with `everything` always)
+  // in the raw space (the API's default), whose mass at T = 1 the units'
+  // tails hold, rather than the processed one.
   bool raw_logprobs = false;
 };
 
@@ -177,6 +179,8 @@ ControlledPlan MakePlan(const Controls& controls, const EverythingLists& lists,
       in.frequency_penalty = 0.3f;
       in.allowed_bitmask = lists.bitmask.data();
       in.bitmask_words = lists.bitmask.size();
+    }
+    if (controls.everything || controls.raw_logprobs) {
       in.top_n = 5;
       in.logprob_flags =
           kLogprobSampled | (controls.raw_logprobs ? kLogprobRaw : 0u);
@@ -363,6 +367,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       {"topk50_topp0.9_minp0.05", true, 0.8f, 50, 0.9f, 0.05f, false},
       {"everything", true, 0.8f, 50, 0.9f, 0.05f, true},
       {"everything_raw", true, 0.8f, 50, 0.9f, 0.05f, true, true},
+      {"topk50_topp0.9_minp0.05_raw_logprobs", true, 0.8f, 50, 0.9f, 0.05f,
+       false, true},
       {"topp0.9", true, 0.8f, 0, 0.9f, 0.0f, false},
       {"topp0.95", true, 0.8f, 0, 0.95f, 0.0f, false},
       {"topp0.9_flat", false, 0.8f, 0, 0.9f, 0.0f, false},
@@ -438,19 +444,17 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       units.row_bound = unit_row_maxima;
       units.row_top = unit_row_maxima + max_batch;
       // Raw logprobs: the mass at T = 1 (no row here also wants a top_p
-      // tail, which the engine would take from the logits at T != 1).
+      // tail: the engine takes such rows from the logits).
       units.tail_inv_temperature =
           controls.raw_logprobs ? unit_inv_temperature
           : controls::UnitTailWanted(controls.temperature, controls.top_k,
                                      controls.top_p, vocab)
               ? inv_temperature
               : greedy_inv_temperature;
-      // Bitmask and per-token entries: the units rank by token classes,
-      // made from the plan with its bitmasks.
-      if (controls.everything) {
-        units.token_classes = unit_token_classes;
-        units.bitmask_in_classes = true;
-      }
+      // Per-token entries: the units rank by token classes.
+      if (controls.everything) units.token_classes = unit_token_classes;
+      // A bitmask row with raw logprobs takes the logits in the engine.
+      const bool units_serve = !(controls.everything && controls.raw_logprobs);
       auto sample = [&] {
         return LaunchControlledSample(params, controlled_workspace,
                                       controlled_workspace_bytes, stream);
@@ -479,24 +483,25 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
           !record_fallback() ||
           // The units' candidate path; its uncertified rows would take the
           // path above as well.
-          !time("units_" + controls.name,
-                [&] {
-                  cudaError_t error =
-                      units.token_classes == nullptr
-                          ? cudaSuccess
-                          : LaunchUnitTokenClasses(params, unit_token_classes,
-                                                   stream);
-                  if (error == cudaSuccess) {
-                    error = fused_units(h, batch, units.tail_inv_temperature,
-                                        units.token_classes);
-                  }
-                  return error != cudaSuccess
-                             ? error
-                             : LaunchControlledSampleFromUnits(
-                                   params, units, controlled_workspace,
-                                   controlled_workspace_bytes, stream);
-                }) ||
-          !record_fallback() ||
+          (units_serve &&
+           !time("units_" + controls.name,
+                 [&] {
+                   cudaError_t error =
+                       units.token_classes == nullptr
+                           ? cudaSuccess
+                           : LaunchUnitTokenClasses(params, unit_token_classes,
+                                                    stream);
+                   if (error == cudaSuccess) {
+                     error = fused_units(h, batch, units.tail_inv_temperature,
+                                         units.token_classes);
+                   }
+                   return error != cudaSuccess
+                              ? error
+                              : LaunchControlledSampleFromUnits(
+                                    params, units, controlled_workspace,
+                                    controlled_workspace_bytes, stream);
+                 })) ||
+          (units_serve && !record_fallback()) ||
           !time("sampler_only_" + controls.name, sample) ||
           !time("cublas_" + controls.name,
                 [&] {

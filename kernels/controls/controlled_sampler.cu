@@ -1323,10 +1323,10 @@ __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
 // gathered, relative to the units' highest raw logit (m.unit_sum_ref).
 // False (in every thread) where the row cannot be certified here: per-token
 // entries the units did not leave out (no token classes), a bitmask on a
-// row whose tail is wanted or whose raw mass is, unless the classes hold
-// the bitmask (else the units' tails hold masked tokens), a non-finite
-// logit, a maximum not above every bound, a tail summed at another
-// temperature (1 for raw mass), or a closest bin alone over `room`.
+// row whose tail is wanted or whose raw mass is (the units' tails hold
+// masked tokens), a non-finite logit, a maximum not above every bound, a
+// tail summed at another temperature (1 for raw mass), or a closest bin
+// alone over `room`.
 // use_min_p and want_tail (top_p that top_k does not bound) are the merge
 // kernel's filters of the row; x_max is the row's
 // largest processed logit (the units' highest key or an entry's), on a
@@ -1347,8 +1347,7 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
   const bool want_sums = want_tail || want_raw_mass;
   const float sum_inv_t = want_raw_mass ? 1.0f : inv_t;
   if ((c.special_begin != c.special_end && !u.token_classes) ||
-      (want_tail && want_raw_mass) ||
-      (c.bitmask_offset >= 0 && want_sums && !u.bitmask_in_classes) ||
+      (want_tail && want_raw_mass) || (c.bitmask_offset >= 0 && want_sums) ||
       unit_bound == kUnitNonFinite || !(top > unit_bound) ||
       (want_sums && (u.tail_inv_temperature == nullptr ||
                      u.tail_inv_temperature[r] != sum_inv_t))) {
@@ -1486,7 +1485,8 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
 
 // One block per row over the candidates of the chunk kernel (kFromUnits
 // false) or of the fused kernel's units (true). Two blocks share an SM
-// (64 registers, no spills): batches run up to 256 rows.
+// (at most 64 registers: 56 over the chunks, 64 and a 12-byte spill over
+// the units; ptxas -v, sm_90a): batches run up to 256 rows.
 template <bool kFromUnits>
 __global__ void __launch_bounds__(kThreads, 2)
     CandidateMergeKernel(const ControlledSampleParams p, CandidateWorkspace w,
@@ -2094,29 +2094,25 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // One block per row: the row's UnitCandidates::token_classes words, every
-// allowed token ranked (every token where params carries no bitmask for
-// the row), then each per-token entry moved from ranked to entry. Rows
-// past `vocab` in the last word have neither bit. Without the bitmask the
-// merge kernel leaves masked candidates out of its gather, and the bitmask
-// words (19 KB a row at V = 151936) are packed and copied while the fused
-// kernel runs instead of before it; with it, masked tokens are in no tail
-// either (a top_p tail or a raw logprobs mass of a bitmask row).
+// token ranked, then each per-token entry moved from ranked to entry. Rows
+// past `vocab` in the last word have neither bit. The bitmask stays out:
+// the merge kernel leaves masked candidates out of its gather, and the
+// bitmask words (19 KB a row at V = 151936) are packed and copied while the
+// fused kernel runs instead of before it: packed before it, they cost 1.6 us
+// a row for each of the plan's two copies on an H100 host (3.3 us with
+// both), more than the units save a raw-logprobs row over the logits'
+// path (0.3-1.1 us at B = 16..256, qwen).
 __global__ void __launch_bounds__(kThreads)
     UnitTokenClassesKernel(const ControlledSampleParams p,
                            uint32_t* __restrict__ classes) {
   const int r = blockIdx.x;
   const ControlledRow c = p.row_controls[r];
   const int64_t words = UnitClassWordsPerRow(p.vocab);
-  const uint32_t* mask = c.bitmask_offset >= 0 && p.bitmask != nullptr
-                             ? p.bitmask + c.bitmask_offset
-                             : nullptr;
   uint32_t* row = classes + r * words;
   for (int64_t j = threadIdx.x; j < words; j += kThreads) {
     uint32_t ranked = 0xffffu;
     const int64_t left = p.vocab - 16 * j;
     if (left < 16) ranked &= (1u << left) - 1u;
-    // Tokens 16 j .. 16 j + 15: half j % 2 of bitmask word j / 2.
-    if (mask != nullptr) ranked &= mask[j >> 1] >> (16 * (j & 1));
     row[j] = ranked;
   }
   __syncthreads();

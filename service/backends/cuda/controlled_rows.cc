@@ -36,14 +36,16 @@ bool NeedsControlledSampler(const SamplingParams& p) {
 bool HasTokenEntries(const SamplingParams& p) { return ListEntries(p) > 0; }
 
 bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab) {
+  const bool tail = controls::UnitTailWanted(p.greedy() ? 0.0f : p.temperature,
+                                             p.top_k, p.top_p, vocab);
+  const bool raw = p.logprobs.any() && p.logprobs.raw;
+  // The units' tails hold masked tokens.
+  if (!p.allowed_bitmask.empty() && (tail || raw)) return false;
   if (p.logprobs.any()) {
     if (p.logprobs.raw) {
       // One tail a unit: a top_p tail at 1 / T over the members, or the raw
       // mass at T = 1 over every token.
-      if (controls::UnitTailWanted(p.greedy() ? 0.0f : p.temperature, p.top_k,
-                                   p.top_p, vocab)) {
-        return false;
-      }
+      if (tail) return false;
       if (p.greedy()) return true;
     } else if (p.greedy()) {
       return false;
@@ -52,13 +54,6 @@ bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab) {
     return true;
   }
   return (p.top_k > 0 && p.top_k < vocab) || p.top_p < 1.0f || p.min_p > 0.0f;
-}
-
-bool UnitTailsHoldMask(const SamplingParams& p, int64_t vocab) {
-  return !p.allowed_bitmask.empty() &&
-         ((p.logprobs.any() && p.logprobs.raw) ||
-          controls::UnitTailWanted(p.greedy() ? 0.0f : p.temperature, p.top_k,
-                                   p.top_p, vocab));
 }
 
 absl::Status ValidateCudaRow(const SamplingParams& p, int64_t vocab) {

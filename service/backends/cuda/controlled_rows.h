@@ -63,18 +63,15 @@ bool NeedsControlledSampler(const SamplingParams& p);
 // kernel adds at their exact values; a bitmask, whose masked candidates the
 // merge kernel leaves out), or transforms and logprobs under a filter that
 // closes the set (top_k below V, top_p, min_p), or greedy with raw
-// logprobs (every allowed token's mass at T = 1, from the units' tails).
+// logprobs (every token's mass at T = 1, from the units' tails).
 // Processed logprobs of a greedy row (over every token) need the logits,
 // and so does a sampled row with transforms and no such filter, whose open
-// set the units would rarely certify, and a row with raw logprobs and a
-// top_p that top_k does not bound (a unit has one tail: the top_p mass or
-// the raw mass).
+// set the units would rarely certify, a row with raw logprobs and a top_p
+// that top_k does not bound (a unit has one tail: the top_p mass or the raw
+// mass), and a bitmask row with either (the units' tails hold masked
+// tokens; token classes made with the bitmasks would need them packed and
+// copied before the fused kernel, not while it runs).
 bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab);
-
-// True when the row's units must leave its masked tokens out of their
-// tails (a bitmask, and a top_p that top_k does not bound, or raw
-// logprobs): the batch's token classes are then made with the bitmasks.
-bool UnitTailsHoldMask(const SamplingParams& p, int64_t vocab);
 
 // True when the row has per-token entries (logit_bias, banned ids, prompt
 // ids under a repetition penalty, output counts): the units leave those

@@ -84,13 +84,12 @@ constexpr int kHiddenPadRows = 128;
 // the second pass at most once in 17 batches.
 constexpr int kUnitCandidatesPauseBatches = 16;
 
-// The controls a batch served from unit candidates copies before its fused
-// kernel (PrepareTokenClasses): 13 bytes an entry and the rows, and only
-// where a bitmask row's tail is summed (UnitTailsHoldMask) the bitmasks
-// (19 KB a row at V = 151936, 4.9 MB at 256 rows); otherwise those are
-// packed and copied while the kernel runs. A batch with more takes its
-// logits.
-constexpr size_t kUnitEntryPlanBytes = size_t{8} << 20;
+// The entries-only controls a batch with per-token entries copies before its
+// fused kernel (PrepareTokenClasses): 13 bytes an entry and the rows, far
+// below the full controls' budget, whose bitmasks (19 KB a row at V =
+// 151936) are packed and copied while the kernel runs. A batch with more
+// takes its logits.
+constexpr size_t kUnitEntryPlanBytes = size_t{4} << 20;
 
 // The controls of a row riding in a controlled launch whose outputs are not
 // used (a refused row, or one that keeps stage 1's tokens): greedy, which
@@ -211,14 +210,12 @@ struct Slot {
   uint32_t* unit_row_maxima = nullptr;
   // [max_batch_rows, UnitClassWordsPerRow(V)]: the token classes the units
   // rank by in a batch with per-token entries (their entries' logits land
-  // in `logits`) or with bitmask rows whose tails are summed, and the
-  // controls they are made from (kUnitEntryPlanBytes, pinned and device):
-  // the entries, and the bitmasks where classes_hold_bitmask.
+  // in `logits`), and the entries-only controls they are made from
+  // (kUnitEntryPlanBytes, pinned and device).
   uint32_t* unit_token_classes = nullptr;
   void* host_entry_plan = nullptr;
   void* device_entry_plan = nullptr;
   ControlledPlan entry_plan;
-  bool classes_hold_bitmask = false;
   void* controlled_workspace = nullptr;  // the controlled sampler's x = l / T
   void* host_plan = nullptr;             // pinned, kControlledPlanBudgetBytes
   void* device_plan = nullptr;           // kControlledPlanBudgetBytes
@@ -338,14 +335,13 @@ class CudaEngine final : public Engine {
   void PackControls(Slot& slot, const BatchView& batch,
                     const std::vector<char>& valid, int first, int end,
                     bool with_bitmask, ControlledPlan* plan);
-  // Before stage 1 of a batch served from unit candidates with per-token
-  // entries, or with bitmask rows whose tails are summed (with_bitmask):
-  // packs and uploads its rows' entries (and bitmasks) and queues the token
-  // classes' kernel. False in *classified where they exceed
-  // kUnitEntryPlanBytes (the batch then takes its logits).
+  // Before stage 1 of a batch with per-token entries served from unit
+  // candidates: packs and uploads its rows' entries alone (no bitmask) and
+  // queues the token classes' kernel. False in *classified where they
+  // exceed kUnitEntryPlanBytes (the batch then takes its logits).
   absl::Status PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                    const std::vector<char>& valid,
-                                   bool with_bitmask, bool* classified);
+                                   bool* classified);
   // Reads the controlled sampler's outputs (in the slot's pinned buffer) into
   // `results` for the valid rows.
   absl::Status CollectControlled(Slot& slot, const BatchView& batch,
@@ -1020,11 +1016,9 @@ void CudaEngine::PackControls(Slot& slot, const BatchView& batch,
 
 absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                              const std::vector<char>& valid,
-                                             bool with_bitmask,
                                              bool* classified) {
   *classified = false;
-  slot.classes_hold_bitmask = false;
-  PackControls(slot, batch, valid, 0, batch.rows, with_bitmask,
+  PackControls(slot, batch, valid, 0, batch.rows, /*with_bitmask=*/false,
                &slot.entry_plan);
   const size_t bytes = slot.entry_plan.byte_size();
   if (bytes > kUnitEntryPlanBytes) return absl::OkStatus();
@@ -1041,7 +1035,6 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                    slot.ranks[0].stream),
             "LaunchUnitTokenClasses"));
   *classified = true;
-  slot.classes_hold_bitmask = with_bitmask;
   return absl::OkStatus();
 }
 
@@ -1169,7 +1162,6 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       if (stage1 == Stage1Output::kClassifiedUnits) {
         units.token_classes =
             slot.unit_token_classes + at * UnitClassWordsPerRow(vocab);
-        units.bitmask_in_classes = slot.classes_hold_bitmask;
       }
       FS_RETURN_IF_ERROR(
           Check(LaunchControlledSampleFromUnits(params, units, workspace,
@@ -1457,21 +1449,17 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     unit_pause_batches_.fetch_sub(1, std::memory_order_relaxed);
     from_units = false;
   }
-  // Per-token entries, and bitmask rows whose tails are summed: the units
-  // rank by token classes.
+  // Per-token entries: the units rank by token classes.
   bool classified = false;
   if (from_units) {
     bool entries = false;
-    bool masked_tails = false;
     for (int i = 0; i < batch.rows; ++i) {
-      if (!by_controls[i]) continue;
-      const SamplingParams& p = *batch.specs[i].params;
-      entries = entries || HasTokenEntries(p);
-      masked_tails = masked_tails || UnitTailsHoldMask(p, info_.vocab_size);
+      entries = entries ||
+                (by_controls[i] && HasTokenEntries(*batch.specs[i].params));
     }
-    if (entries || masked_tails) {
-      FS_RETURN_IF_ERROR(PrepareTokenClasses(slot, batch, by_controls,
-                                             masked_tails, &classified));
+    if (entries) {
+      FS_RETURN_IF_ERROR(
+          PrepareTokenClasses(slot, batch, by_controls, &classified));
       from_units = classified;
     }
   }

@@ -160,7 +160,7 @@ TEST(ControlledRowsTest, UnitCandidatesServeClosedSetsAndGreedyRows) {
   EXPECT_TRUE(ServedFromUnitCandidates(filters, kVocab));
   EXPECT_TRUE(ServedFromUnitCandidates(SamplingParams(), kVocab));
   // Transforms and logprobs under a filter that closes the set.
-  std::vector<SamplingParams> served(10, filters);
+  std::vector<SamplingParams> served(9, filters);
   served[0].logit_bias = {{1, 2.0f}};
   served[1].banned_token_ids = {2};
   served[2].allowed_bitmask.assign(32, ~0u);
@@ -169,28 +169,21 @@ TEST(ControlledRowsTest, UnitCandidatesServeClosedSetsAndGreedyRows) {
   served[5].frequency_penalty = 0.5f;
   served[6].logprobs.sampled = true;
   served[7].logprobs.top_n = 2;
-  // Raw logprobs: the units' tails hold the mass at T = 1 (with a bitmask,
-  // its masked tokens left out of the classes).
+  // Raw logprobs: the units' tails hold the mass at T = 1.
   served[8].logprobs.sampled = true;
   served[8].logprobs.raw = true;
-  served[9].logprobs.top_n = 2;
-  served[9].logprobs.raw = true;
-  served[9].allowed_bitmask.assign(32, ~0u);
   for (size_t i = 0; i < served.size(); ++i) {
     EXPECT_TRUE(ServedFromUnitCandidates(served[i], kVocab)) << i;
-    EXPECT_EQ(UnitTailsHoldMask(served[i], kVocab), i == 9) << i;
     for (int filter = 0; filter < 3; ++filter) {
-      // Each filter closes the set alone; top_p alone sums the units'
-      // tails at 1 / T, which a raw row's mass at T = 1 cannot share.
+      // Each filter closes the set alone; but top_p alone sums the units'
+      // tails at 1 / T, which hold a bitmask's masked tokens and which a
+      // raw row's mass at T = 1 cannot share.
       SamplingParams one = served[i];
       one.top_k = filter == 0 ? 50 : 0;
       one.top_p = filter == 1 ? 0.9f : 1.0f;
       one.min_p = filter == 2 ? 0.05f : 0.0f;
-      EXPECT_EQ(ServedFromUnitCandidates(one, kVocab), !(i >= 8 && filter == 1))
-          << i << " " << filter;
-      // A bitmask leaves the tails when they are summed.
-      EXPECT_EQ(UnitTailsHoldMask(one, kVocab),
-                !one.allowed_bitmask.empty() && (i == 9 || filter == 1))
+      EXPECT_EQ(ServedFromUnitCandidates(one, kVocab),
+                !((i == 2 || i == 8) && filter == 1))
           << i << " " << filter;
     }
   }
@@ -217,7 +210,7 @@ TEST(ControlledRowsTest, UnitCandidatesServeClosedSetsAndGreedyRows) {
   greedy_raw.logprobs.raw = true;
   EXPECT_TRUE(ServedFromUnitCandidates(greedy_raw, kVocab));
 
-  std::vector<SamplingParams> need_logits(6, filters);
+  std::vector<SamplingParams> need_logits(7, filters);
   // Raw logprobs with no closing filter, and with top_p alone.
   need_logits[0].top_k = 0;
   need_logits[0].top_p = 1.0f;
@@ -240,6 +233,10 @@ TEST(ControlledRowsTest, UnitCandidatesServeClosedSetsAndGreedyRows) {
   need_logits[3].logit_bias = {{1, 2.0f}};
   need_logits[4].logprobs.sampled = true;
   need_logits[5].allowed_bitmask.assign(32, ~0u);
+  // Raw logprobs with a bitmask: the units' tails hold masked tokens.
+  need_logits[6].logprobs.top_n = 2;
+  need_logits[6].logprobs.raw = true;
+  need_logits[6].allowed_bitmask.assign(32, ~0u);
   for (size_t i = 0; i < need_logits.size(); ++i) {
     EXPECT_FALSE(ServedFromUnitCandidates(need_logits[i], kVocab)) << i;
   }

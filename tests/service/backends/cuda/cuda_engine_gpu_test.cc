@@ -648,19 +648,22 @@ TEST_F(CudaEngineGpuTest,
     std::uniform_real_distribution<float> peaked(-22.0f * scale, 22.0f * scale);
     int controlled_rows = 0;
     int served_rows = 0;
-    for (int round = 0; round < 7; ++round) {
-      // Rounds 3 to 6 add a row the units serve from tails at T = 1 or with
-      // the bitmask in the token classes: raw logprobs (top_k 40, top 3),
-      // a bitmask row with top_p alone, everything with raw logprobs and
-      // ranks, and a greedy row with raw logprobs.
+    for (int round = 0; round < 8; ++round) {
+      // Rounds 3, 5 and 6 add a row with raw logprobs, whose mass at T = 1
+      // the units' tails hold: top_k 40 with the top 3, everything but the
+      // bitmask with ranks, and a greedy row. Rounds 4 and 7 add a bitmask
+      // row with a tail (top_p alone; everything with raw logprobs), whose
+      // units' tails would hold masked tokens: the whole batch takes the
+      // logits.
       SamplingParams raw = params[7];
       raw.logprobs.raw = true;
       if (round == 4) {
         raw = params[1];
         raw.top_k = 0;
-      } else if (round == 5) {
+      } else if (round == 5 || round == 7) {
         raw = params[0];
         raw.logprobs.raw = true;
+        if (round == 5) raw.allowed_bitmask.clear();
       } else if (round == 6) {
         raw = params[3];
         raw.logprobs = params[0].logprobs;
@@ -687,7 +690,8 @@ TEST_F(CudaEngineGpuTest,
       StageHidden(**units, 0, hidden);
       ASSERT_TRUE(
           (*units)->Sample(BatchView{0, rows, specs.data()}, &from_units).ok());
-      EXPECT_EQ(batches->load() - batches_before, 1)
+      const bool units_batch = round != 4 && round != 7;
+      EXPECT_EQ(batches->load() - batches_before, units_batch ? 1 : 0)
           << where << ", round " << round;
       StageHidden(**logits, 0, hidden);
       ASSERT_TRUE((*logits)
@@ -720,7 +724,7 @@ TEST_F(CudaEngineGpuTest,
           EXPECT_LE(a.top_token_ids.size(), 5u) << row;
           EXPECT_EQ(a.sampled_logprobs.size(), 1u) << row;
         }
-        if (i % 8 != 6) {
+        if (units_batch && i % 8 != 6) {
           ++controlled_rows;
           served_rows += a.exact_fallback == nullptr;
           if (a.exact_fallback != nullptr) {
