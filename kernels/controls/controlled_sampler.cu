@@ -249,6 +249,17 @@ __device__ void StoreWinner(unsigned long long winner, bool greedy, int n,
   }
 }
 
+// Writes sample j's rank (thread 0's job), as StoreWinner its token: a
+// greedy row's one count fills all n samples.
+__device__ void StoreRank(unsigned long long count, bool greedy, int n, int j,
+                          int32_t* ranks) {
+  if (greedy) {
+    for (int k = 0; k < n; ++k) ranks[k] = static_cast<int32_t>(count);
+  } else {
+    ranks[j] = static_cast<int32_t>(count);
+  }
+}
+
 // Marks row `r` failed: status, error token, no tokens, no top list.
 __device__ void FailRow(const ControlledSampleParams& p, int r, int32_t status,
                         int32_t token) {
@@ -542,10 +553,7 @@ __global__ void __launch_bounds__(kThreads)
           if (v >= v_k && (raw || survives(i, v))) ++count;
         }
         count = BlockReduce(count, SumU64{}, sh);
-        if (tid == 0) {
-          for (int j = k; j < (greedy ? c.n : k + 1); ++j)
-            ranks[j] = static_cast<int32_t>(count);
-        }
+        if (tid == 0) StoreRank(count, greedy, c.n, k, ranks);
       }
     }
   } else if (tid == 0 && p.top_count != nullptr) {
@@ -2065,10 +2073,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         });
       }
       count = BlockReduce(count, SumU64{}, sh);
-      if (tid == 0) {
-        for (int j = k; j < (greedy ? c.n : k + 1); ++j)
-          ranks[j] = static_cast<int32_t>(count);
-      }
+      if (tid == 0) StoreRank(count, greedy, c.n, k, ranks);
     }
     if (tid == 0) {
       if (want_lse) p.logsumexp[r] = static_cast<float>(lse);

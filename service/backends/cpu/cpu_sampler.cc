@@ -393,8 +393,8 @@ absl::Status CpuSampler::Sample(const float* hidden, int rows,
           break;
         case Phase::kFinal:
           cpu::FinishRow(row, (*results)[r]);
-          row.phase =
-              row.want_rank && !row.failed() ? Phase::kRank : Phase::kDone;
+          row.phase = row.params->logprobs.rank && !row.failed() ? Phase::kRank
+                                                                 : Phase::kDone;
           break;
         case Phase::kRank:
           cpu::FinishRanks(row, (*results)[r]);

@@ -84,7 +84,6 @@ void PlanRow(const RowSpec& spec, int64_t vocab, int64_t candidate_buffer,
       static_cast<size_t>(std::min<int64_t>(p.logprobs.top_n, vocab));
   row.top_n_processed = p.logprobs.raw ? 0 : top_n;
   row.top_n_raw = p.logprobs.raw ? top_n : 0;
-  row.want_rank = p.logprobs.rank;
   const bool filtered = row.use_min_p || row.use_top_k || row.use_top_p;
   // top_k alone needs k buffered tokens and one more: an entry strictly
   // below the k-th value shows that every tie of that value is buffered.
@@ -241,10 +240,12 @@ void FinishRow(Row& row, RowResult& out) {
         lp.raw ? row.top_raw.TakeSorted() : row.top_processed.TakeSorted(), lse,
         &out);
   }
-  row.rank_value.clear();
-  for (int j = 0; j < row.n; ++j)
-    row.rank_value.push_back(lp.raw ? best[j].z : best[j].x);
-  row.rank_count.assign(row.n, 0);
+  if (lp.rank) {
+    row.rank_value.clear();
+    for (int j = 0; j < row.n; ++j)
+      row.rank_value.push_back(lp.raw ? best[j].z : best[j].x);
+    row.rank_count.assign(row.n, 0);
+  }
 }
 
 void FinishRanks(Row& row, RowResult& out) {

@@ -51,7 +51,6 @@ struct Row {
   bool want_raw_lse = false;
   size_t top_n_processed = 0;
   size_t top_n_raw = 0;
-  bool want_rank = false;
 
   Phase phase = Phase::kDone;
   // The candidate buffer could not certify the cut: exact radix select ran.
