@@ -1176,6 +1176,16 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   // against 473 us, the fused kernel alone 448 against 453 (H100, three
   // alternating runs); at 128 rows the same times either way, and at 256
   // the second batch tile re-reads W from L2.
+  // These stores are most of what the units cost the fused kernel below
+  // 256 rows: a build that selected every unit's candidates but stored no
+  // record took 433 against 456 us at qwen B = 128 (plain kernel 426), 437
+  // against 448 at 64, 421 against 426 at 16: at 128 rows their 19 MB
+  // would take 6.5 us at DRAM's bandwidth. None of these moved it (H100,
+  // alternating runs): streaming or evict-first stores, evict-last at every B,
+  // a unit-major layout whose warp stores write whole lines (-2.5 us at 128),
+  // or, for rows without a tail, storing no record for a unit whose highest key
+  // is at or below the row's bound as read during the launch (the merge kernel
+  // told them apart by a per-row launch count in the record).
   if (args.batch <= 64) {
     ptx::StoreGlobalHinted(reinterpret_cast<uint4*>(out.records + at) + half,
                            part, ptx::kL2EvictLast);
