@@ -35,14 +35,22 @@ def main():
         if row["errors"] != "0" or float(row["req_per_s"]) <= 0:
             print(f"bad point: {row}", file=sys.stderr)
             return 1
-        # The daemon's split of a request's time: decoding and encoding are
-        # observed for every answered request, and each is a part of p50.
-        p50 = float(row["p50_ms"])
+        # The daemon's split of a request's time: each part is a mean
+        # (histogram sum / count) of a piece of every answered request, so
+        # it lies below the requests' mean latency. A closed loop's mean
+        # latency is callers / throughput (Little's law; the 1.25 covers the
+        # scrapes' window, which holds the warm-up too); the open point is
+        # held to its p99. Not p50: on a loaded host a mean passes the
+        # median (execute 1.325 ms against p50 1.317 at one caller, on a
+        # 2-core host running the whole suite).
+        kind, callers = row["point"].split("-")[:2]
+        bound = (1.25 * 1000.0 * int(callers) / float(row["req_per_s"])
+                 if kind == "closed" else float(row["p99_ms"]))
         for part in ("decode_ms", "queue_ms", "execute_ms", "encode_ms"):
             value = float(row[part]) if row[part] else -1.0
-            if not 0.0 <= value < p50:
-                print(f"{part} {row[part]!r} not in [0, p50 = {p50}): {row}",
-                      file=sys.stderr)
+            if not 0.0 <= value < bound:
+                print(f"{part} {row[part]!r} not in [0, {bound:.3f}) ms: "
+                      f"{row}", file=sys.stderr)
                 return 1
     print("service_bench smoke: table of", len(rows), "points, no errors")
     return 0
