@@ -1179,13 +1179,17 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   // These stores are most of what the units cost the fused kernel below
   // 256 rows: a build that selected every unit's candidates but stored no
   // record took 433 against 456 us at qwen B = 128 (plain kernel 426), 437
-  // against 448 at 64, 421 against 426 at 16: at 128 rows their 19 MB
-  // would take 6.5 us at DRAM's bandwidth. None of these moved it (H100,
-  // alternating runs): streaming or evict-first stores, evict-last at every B,
-  // a unit-major layout whose warp stores write whole lines (-2.5 us at 128),
-  // or, for rows without a tail, storing no record for a unit whose highest key
-  // is at or below the row's bound as read during the launch (the merge kernel
-  // told them apart by a per-row launch count in the record).
+  // against 448 at 64, 421 against 426 at 16, where the 19 MB at 128 rows
+  // would take 6.5 us of DRAM's bandwidth. What else was tried (H100,
+  // alternating runs): streaming, evict-first, or evict-last stores at
+  // every B, no change; a unit-major layout whose warp stores write whole
+  // lines, -2.5 us at 128; no record for a unit whose highest key is at or
+  // below the row's bound as read during the launch (rows without a tail;
+  // the merge kernel told the records apart by a per-row launch count), no
+  // change; packed 16-byte records, half the bytes, -5 us at 128 and -3 at
+  // 16 and 64 (they would hold 2 candidates, which left top_k 20 rows at
+  // V = 4099 uncertified); each record's first half alone in its sector,
+  // +5 us at 128.
   if (args.batch <= 64) {
     ptx::StoreGlobalHinted(reinterpret_cast<uint4*>(out.records + at) + half,
                            part, ptx::kL2EvictLast);
