@@ -260,6 +260,14 @@ __device__ void StoreRank(unsigned long long count, bool greedy, int n, int j,
   }
 }
 
+// Whether the row asks for any logprob output: a sampled logprob or rank,
+// its logsumexp, or a top list.
+__device__ bool WantsLogprobs(const ControlledRow& c) {
+  return (c.logprob_flags &
+          (kLogprobSampled | kLogprobRank | kLogprobLogsumexp)) != 0 ||
+         c.top_n > 0;
+}
+
 // Marks row `r` failed: status, error token, no tokens, no top list.
 __device__ void FailRow(const ControlledSampleParams& p, int r, int32_t status,
                         int32_t token) {
@@ -468,7 +476,7 @@ __global__ void __launch_bounds__(kThreads)
         z[i], x[i], controls::Disallowed(bitmask, i), p.special_ids,
         p.special_flags, c.special_begin, c.special_end, i);
   };
-  if (want_sampled || want_rank || want_lse || top_n > 0) {
+  if (WantsLogprobs(c)) {
     float v_max = x_max;  // the survivors' max is the row's first token
     if (raw) {
       float m = controls::kNegInf;
@@ -642,12 +650,6 @@ struct CandidateWorkspace {
   float* raws;              // [rows, chunks, kChunkCandidates] raw logits
   int32_t* done;            // [rows] 1 = sampled by the merge
 };
-
-__device__ bool WantsLogprobs(const ControlledRow& c) {
-  return (c.logprob_flags &
-          (kLogprobSampled | kLogprobRank | kLogprobLogsumexp)) != 0 ||
-         c.top_n > 0;
-}
 
 __device__ float RowInverseTemperature(const ControlledRow& c) {
   return c.temperature == 0.0f ? 1.0f : FS_FDIV(1.0f, c.temperature);
@@ -1874,8 +1876,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     closed = true;
     prefix = true;
   }
-  const bool processed_logprobs =
-      !raw_mode && (want_sampled || want_rank || want_lse || top_n > 0);
+  const bool processed_logprobs = !raw_mode && WantsLogprobs(c);
   if (processed_logprobs && !closed) return;  // the survivors are not all seen
   const int survivors = prefix ? m.cut_index + 1 : 0;
 
@@ -1927,7 +1928,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Logprobs, as the full passes: raw over the masked raw logits, else over
   // the survivors (a greedy row's are every allowed token).
   int listed = 0;
-  if (want_sampled || want_rank || want_lse || top_n > 0) {
+  if (WantsLogprobs(c)) {
     double lse = 0.0;
     if (raw_mode && kFromUnits) {
       // The gathered candidates and the entries the masks allow, in fp64,
