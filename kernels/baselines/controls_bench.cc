@@ -19,12 +19,15 @@
 //   fs_controls_bench --out DIR [--configs qwen,llama]
 //                     [--batches 1,16,64,128,256] [--iters 50] [--warmup 10]
 //                     [--stage1 greedy|sampled] [--multicast on|off]
+//                     [--l2_set_aside_mb N]
 //
 // --stage1 sampled scores every row's noise in the controlled path's
 // stage 1 too (its tokens are not used): what running the rows greedy
 // saves, measured on the whole path. --multicast off launches every fused
 // kernel with each CTA loading its own W and H (FusedTuning::multicast_h,
-// multicast_w).
+// multicast_w). --l2_set_aside_mb sets aside N MiB of L2 for the unit
+// records instead of the engine's default (FusedSampleSetAsideL2ForUnits;
+// 0: none), for every method of the run, as the engine's does.
 //
 // Hidden states: "flat" rows are fs_bench's inputs (logits' std about 2.5,
 // softmax entropy near ln V); "peaked" rows scale them until the mean
@@ -58,7 +61,8 @@ struct Options {
   int iters = 50;
   int warmup = 10;
   bool stage1_sampled = false;  // --stage1 sampled
-  bool multicast = true;  // --multicast off: FusedTuning::multicast_h and _w
+  bool multicast = true;     // --multicast off: FusedTuning::multicast_h and _w
+  int l2_set_aside_mb = -1;  // --l2_set_aside_mb; < 0: the default
 };
 
 struct ModelConfig {
@@ -87,6 +91,8 @@ bool ParseOptions(int argc, char** argv, Options* options) {
       options->stage1_sampled = value == "sampled";
     } else if (flag == "--multicast" && (value == "on" || value == "off")) {
       options->multicast = value == "on";
+    } else if (flag == "--l2_set_aside_mb") {
+      options->l2_set_aside_mb = std::atoi(value.c_str());
     } else {
       std::fprintf(stderr, "fs_controls_bench: unknown flag %s\n",
                    flag.c_str());
@@ -402,6 +408,11 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
               [&] {
                 return fused_units(peaked, batch, inv_temperature, nullptr);
               }) ||
+        // fused_units_out's records had no merge kernel to discard them
+        // from L2's set-aside: let the next methods find it free, as every
+        // launch of the engine's leaves it.
+        cudaStreamSynchronize(stream) != cudaSuccess ||
+        cudaCtxResetPersistingL2Cache() != cudaSuccess ||
         !time("cublas_only", [&] {
           return CublasLogits(cublas, weights, peaked, DType::kBf16, vocab,
                               hidden, batch, logits, DType::kBf16, stream);
@@ -581,6 +592,17 @@ bool Main(int argc, char** argv) {
     std::fprintf(stderr, "fs_controls_bench: cublasCreate failed\n");
     return false;
   }
+  size_t set_aside = 0;
+  const cudaError_t set = FusedSampleSetAsideL2ForUnits(
+      options.l2_set_aside_mb < 0
+          ? -1
+          : static_cast<int64_t>(options.l2_set_aside_mb) << 20,
+      &set_aside);
+  if (set != cudaSuccess) {  // MIG, MPS: the engine goes on without it too
+    std::printf("fs_controls_bench: no L2 set-aside: %s\n",
+                cudaGetErrorString(set));
+    cudaGetLastError();
+  }
   Timer timer;
   if (!timer.Init(options.iters, 2 * static_cast<size_t>(prop.l2CacheSize),
                   stream)) {
@@ -592,8 +614,11 @@ bool Main(int argc, char** argv) {
     std::fprintf(stderr, "fs_controls_bench: cannot write %s\n", path.c_str());
     return false;
   }
-  std::printf("fs_controls_bench on %s, %d calls after %d warm-up\n", prop.name,
-              options.iters, options.warmup);
+  std::printf(
+      "fs_controls_bench on %s, %d calls after %d warm-up, %.1f MiB of L2 set "
+      "aside for the unit records\n",
+      prop.name, options.iters, options.warmup,
+      static_cast<double>(set_aside) / (1 << 20));
   std::fprintf(csv,
                "config,vocab,hidden,batch,method,median_us,p10_us,p90_us,"
                "over_fused_plain,full_pass_rows\n");

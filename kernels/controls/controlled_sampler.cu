@@ -1313,6 +1313,27 @@ __device__ void VisitUnits(const ControlledUnits& u, int r, int64_t units,
   }
 }
 
+// Drops row r's records from L2 once the block has read them (a barrier
+// first: every thread's reads are done), so that they are never written
+// back to DRAM and their persisting lines (FusedSampleSetAsideL2ForUnits)
+// are free for the next launch's records and other accesses. Only the
+// 128-byte lines wholly inside the row: a line shared with the next row
+// still holds records another block has not read. Nothing reads a row's
+// records after the merge kernel (the fused kernel writes all of them on
+// every launch).
+__device__ void DiscardRowRecords(const ControlledUnits& u, int r,
+                                  int64_t units) {
+  __syncthreads();
+  constexpr uintptr_t kLine = 128;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(u.records + r * units);
+  const uintptr_t end = begin + sizeof(UnitRecord) * units;
+  const uintptr_t first = (begin + kLine - 1) / kLine * kLine;
+  for (uintptr_t line = first + threadIdx.x * kLine; line + kLine <= end;
+       line += kThreads * kLine) {
+    asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
+  }
+}
+
 // The merge kernel's candidates from the fused kernel's unit candidates
 // (kernels/sampler/unit_candidates.h) rather than from the chunk kernel:
 // the row's highest unit bound and highest key, atomic maxima of the fused
@@ -1603,13 +1624,12 @@ __global__ void __launch_bounds__(kThreads, 2)
               entries_top);
     // UnitTailWanted is use_top_p && !use_top_k: the rows whose tails the
     // engine asks the fused kernel for.
-    if (!GatherUnitCandidates(
-            p, u, c, r, inv_t, x_max, use_min_p,
-            controls::UnitTailWanted(c.temperature, c.top_k, c.top_p, vocab),
-            raw_mode && WantsLogprobs(c), cand_raw, cand_id, room, m,
-            &gathered)) {
-      return;
-    }
+    const bool from_units = GatherUnitCandidates(
+        p, u, c, r, inv_t, x_max, use_min_p,
+        controls::UnitTailWanted(c.temperature, c.top_k, c.top_p, vocab),
+        raw_mode && WantsLogprobs(c), cand_raw, cand_id, room, m, &gathered);
+    DiscardRowRecords(u, r, UnitsPerRow(p.vocab));
+    if (!from_units) return;
     slots = gathered.count;
     outside = gathered.bound != 0u;
     bound_key = gathered.bound;

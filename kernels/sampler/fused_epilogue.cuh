@@ -1170,26 +1170,19 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
     }
     part = make_uint4(slots, record_bound, __float_as_uint(tail), 0u);
   }
-  // Up to 64 rows (9.7 MB of records at qwen's V) the records stay in L2
-  // for the merge kernel rather than going to DRAM behind the 1.2 GB of W
-  // streamed after them: qwen top_k + top_p + min_p at B = 64 466-467
-  // against 473 us, the fused kernel alone 448 against 453 (H100, three
-  // alternating runs); at 128 rows the same times either way, and at 256
-  // the second batch tile re-reads W from L2.
-  // These stores are most of what the units cost the fused kernel below
-  // 256 rows: a build that selected every unit's candidates but stored no
-  // record took 433 against 456 us at qwen B = 128 (plain kernel 426), 437
-  // against 448 at 64, 421 against 426 at 16, where the 19 MB at 128 rows
-  // would take 6.5 us of DRAM's bandwidth. What else was tried (H100,
-  // alternating runs): streaming, evict-first, or evict-last stores at
-  // every B, no change; a unit-major layout whose warp stores write whole
-  // lines, -2.5 us at 128; no record for a unit whose highest key is at or
-  // below the row's bound as read during the launch (rows without a tail;
-  // the merge kernel told the records apart by a per-row launch count), no
-  // change; packed 16-byte records, half the bytes, -5 us at 128 and -3 at
-  // 16 and 64 (they would hold 2 candidates, which left top_k 20 rows at
-  // V = 4099 uncertified); each record's first half alone in its sector,
-  // +5 us at 128.
+  // The records' trip to DRAM, not their bytes, is what they cost: a
+  // build that selected every unit's candidates but stored no record took
+  // 433 against 456 us at qwen B = 128 (plain kernel 426), where the 19 MB
+  // would take 6.5 us of DRAM's bandwidth. Where L2 is set aside for
+  // persisting accesses (FusedSampleSetAsideL2ForUnits) the launch marks
+  // the records persisting and the merge kernel discards them once read,
+  // so they never leave L2: 438 against 457 us at B = 128, 442 against 455
+  // at 64 (H100, alternating runs). Without it, up to 64 rows (9.7 MB at
+  // qwen's V) an evict-last hint keeps most of them there (the fused
+  // kernel 448 against 453 us at B = 64), and no store policy (streaming,
+  // evict-first, evict-last) or record layout (unit-major whole lines,
+  // packed 16-byte records, no record for a unit below the row's running
+  // bound) took more than 5 us off at 128 rows.
   if (args.batch <= 64) {
     ptx::StoreGlobalHinted(reinterpret_cast<uint4*>(out.records + at) + half,
                            part, ptx::kL2EvictLast);

@@ -126,7 +126,9 @@ struct FusedSampleParams {
   // row's highest logits of every 32-token unit with a bound on the rest
   // (unit_candidates.h), the controlled sampler's candidate path without
   // the logits: 1 byte a token written instead of logits_out's 4.
-  // Off while unit_candidates.records is null.
+  // Off while unit_candidates.records is null. Where part of the GPU's L2
+  // is set aside for persisting accesses (FusedSampleSetAsideL2ForUnits),
+  // the launch keeps the batch's records there for the merge kernel.
   UnitCandidates unit_candidates;
   // Schedule knobs of the benchmark and the tests; production: defaults.
   FusedTuning tuning;
@@ -152,6 +154,17 @@ size_t FusedSampleWorkspaceSize(int batch, int64_t vocab_rows, int hidden_size);
 
 // The path kAuto resolves to on the current device (kMmaSync or kWgmma).
 FusedKernel FusedSampleResolveKernel(FusedKernel requested);
+
+// Sets aside `bytes` of the current GPU's L2 for persisting accesses
+// (cudaLimitPersistingL2CacheSize; < 0: 2/5 of the L2, 0: none), clamped to
+// what the GPU allows, so that the fused kernel's unit records stay in L2
+// until the merge kernel has read them instead of going out to DRAM among
+// the weights' reads; *set_aside gets the bytes set aside. The set-aside is
+// the whole context's, and it costs the kernels that stream through the rest
+// of the L2 even while no persisting line holds it (the default's numbers:
+// fused_sampler.cc). Under MIG or MPS the GPU refuses (an error; nothing set
+// aside here).
+cudaError_t FusedSampleSetAsideL2ForUnits(int64_t bytes, size_t* set_aside);
 
 // Stage 1. Returns cudaErrorInvalidValue for unsupported operands (dtype
 // fp32, hidden not a multiple of 64, batch outside 1..kMaxFusedBatch, null

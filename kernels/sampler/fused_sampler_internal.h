@@ -46,9 +46,12 @@ template <DType kDType, int kBlockN>
 cudaError_t LaunchMma(const FusedArgs& args, cudaStream_t stream);
 // tensor_map_w: two CUtensorMaps of W, kTileRows-row and kTileRows / 2-row
 // boxes; tensor_map_h: two of H, kBlockN-row and kBlockN / 2-row boxes.
+// records_l2: the launch's access policy window over the unit records
+// (num_bytes 0: none).
 template <DType kDType, int kBlockN, int kHalves>
 cudaError_t LaunchWgmma(const FusedArgs& args, const void* tensor_map_w,
                         const void* tensor_map_h, int grid,
+                        const cudaAccessPolicyWindow& records_l2,
                         cudaStream_t stream);
 
 // Binary version (e.g. 90) of the wgmma kernel image the current device would

@@ -698,6 +698,7 @@ template <typename T, int kBlockN, int kStages, int kHalves,
           PairMulticast kMulticast>
 cudaError_t LaunchPairKernel(const FusedArgs& args, const CUtensorMap* maps_w,
                              const CUtensorMap* maps_h, int ctas,
+                             const cudaAccessPolicyWindow& records_l2,
                              cudaStream_t stream, bool* launched) {
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
   *launched = false;
@@ -707,18 +708,20 @@ cudaError_t LaunchPairKernel(const FusedArgs& args, const CUtensorMap* maps_w,
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(Config::kSmemBytes));
   if (error != cudaSuccess) return error;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = 2;
+  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeAccessPolicyWindow;
+  attributes[1].val.accessPolicyWindow = records_l2;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(Config::kThreads);
   config.dynamicSmemBytes = Config::kSmemBytes;
   config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
+  config.attrs = attributes;
+  config.numAttrs = records_l2.num_bytes > 0 ? 2 : 1;
   int max_clusters = 0;
   error = MaxActiveClusters<kernel>(config, &max_clusters);
   if (error != cudaSuccess || 2 * max_clusters < ctas) return error;
@@ -734,6 +737,7 @@ cudaError_t LaunchPairKernel(const FusedArgs& args, const CUtensorMap* maps_w,
 template <typename T, int kBlockN, int kStages, int kHalves>
 cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
                               const void* tensor_map_h, int grid,
+                              const cudaAccessPolicyWindow& records_l2,
                               cudaStream_t stream) {
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
   const int64_t tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
@@ -747,8 +751,8 @@ cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
   if constexpr (kBlockN == 128) {
     if (args.tuning.multicast_h && batch_tiles == 1 && ctas % 2 == 0) {
       error = LaunchPairKernel<T, kBlockN, kStages, kHalves,
-                               PairMulticast::kHidden>(args, maps_w, maps_h,
-                                                       ctas, stream, &launched);
+                               PairMulticast::kHidden>(
+          args, maps_w, maps_h, ctas, records_l2, stream, &launched);
       if (error != cudaSuccess || launched) return error;
     }
   }
@@ -759,7 +763,7 @@ cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
     if (args.tuning.multicast_w && batch_tiles == 2 && ctas % 2 == 0) {
       error = LaunchPairKernel<T, kBlockN, kStages, kHalves,
                                PairMulticast::kWeights>(
-          args, maps_w, maps_h, ctas, stream, &launched);
+          args, maps_w, maps_h, ctas, records_l2, stream, &launched);
       if (error != cudaSuccess || launched) return error;
     }
   }
@@ -769,6 +773,20 @@ cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(Config::kSmemBytes));
   if (error != cudaSuccess) return error;
+  if (records_l2.num_bytes > 0) {
+    cudaLaunchAttribute window;
+    window.id = cudaLaunchAttributeAccessPolicyWindow;
+    window.val.accessPolicyWindow = records_l2;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(ctas));
+    config.blockDim = dim3(Config::kThreads);
+    config.dynamicSmemBytes = Config::kSmemBytes;
+    config.stream = stream;
+    config.attrs = &window;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, maps_w[0], maps_w[1], maps_h[0],
+                              maps_h[1], args);
+  }
   kernel<<<ctas, Config::kThreads, Config::kSmemBytes, stream>>>(
       maps_w[0], maps_w[1], maps_h[0], maps_h[1], args);
   return cudaGetLastError();
@@ -787,11 +805,12 @@ struct WgmmaTileConfig {
 template <DType kDType, int kBlockN, int kHalves>
 cudaError_t LaunchWgmma(const FusedArgs& args, const void* tensor_map_w,
                         const void* tensor_map_h, int grid,
+                        const cudaAccessPolicyWindow& records_l2,
                         cudaStream_t stream) {
   using T = typename ElementOf<kDType>::Type;
   return LaunchWgmmaKernel<T, kBlockN,
                            WgmmaTileConfig<kBlockN, kHalves>::kStages, kHalves>(
-      args, tensor_map_w, tensor_map_h, grid, stream);
+      args, tensor_map_w, tensor_map_h, grid, records_l2, stream);
 }
 
 }  // namespace fused

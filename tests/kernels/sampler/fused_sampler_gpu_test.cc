@@ -693,6 +693,102 @@ TEST_F(FusedSamplerWgmmaGpuTest, TimelineRecordsEveryPieceAndChangesNoToken) {
   EXPECT_EQ(pieces, items);
 }
 
+// FusedSampleSetAsideL2ForUnits: the set-aside is 2/5 of the L2 (at most
+// what the GPU allows), and launches that keep their unit records in it
+// (an access policy window on the launch, the one-CTA and the CTA-pair
+// launch alike) write the same records and row maxima, byte for byte, as
+// launches without it.
+TEST_F(FusedSamplerWgmmaGpuTest, UnitRecordsKeptInL2AreTheSameBytes) {
+  int l2 = 0;
+  int most = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0),
+            cudaSuccess);
+  ASSERT_EQ(
+      cudaDeviceGetAttribute(&most, cudaDevAttrMaxPersistingL2CacheSize, 0),
+      cudaSuccess);
+  constexpr int64_t kVocab = 41 * 128 + 56;
+  constexpr int kHidden = 128;
+  constexpr int kRows = 200;
+  std::mt19937_64 rng(77);
+  const std::vector<float> weights = SmallIntegers(kVocab * kHidden, 3, rng);
+  const std::vector<float> hidden = SmallIntegers(kRows * kHidden, 2, rng);
+  std::vector<float> inv_t;
+  std::vector<uint64_t> seeds;
+  std::vector<uint64_t> steps;
+  MakeControls(kRows, 8, &inv_t, &seeds, &steps);
+  Problem problem;
+  ASSERT_TRUE(Upload(weights, hidden, kVocab, kHidden, DType::kBf16, inv_t,
+                     seeds, steps, &problem));
+  const size_t units = static_cast<size_t>(UnitsPerRow(kVocab));
+  DeviceArray<UnitRecord> records(units * kRows);
+  DeviceArray<uint32_t> maxima(2 * kRows);
+  DeviceArray<int32_t> tokens(kRows);
+  const size_t workspace_bytes =
+      FusedSampleWorkspaceSize(kRows, kVocab, kHidden);
+  DeviceArray<char> workspace(workspace_bytes);
+  ASSERT_TRUE(records.ok() && maxima.ok() && tokens.ok() && workspace.ok());
+  ASSERT_EQ(cudaMemset(workspace.get(), 0, workspace_bytes), cudaSuccess);
+  // Records and maxima of one launch over `batch` rows, every tail summed.
+  auto launch = [&](int batch, bool multicast, std::vector<UnitRecord>* out,
+                    std::vector<uint32_t>* out_maxima) {
+    if (cudaMemset(records.get(), 0xa5, sizeof(UnitRecord) * records.count()) !=
+            cudaSuccess ||
+        cudaMemset(maxima.get(), 0, sizeof(uint32_t) * maxima.count()) !=
+            cudaSuccess) {
+      return ::testing::AssertionFailure() << "cudaMemset failed";
+    }
+    FusedSampleParams params = LaunchParams(problem, 0, batch);
+    params.token_ids = tokens.get();
+    params.tuning.kernel = FusedKernel::kWgmma;
+    params.tuning.multicast_h = multicast;
+    params.unit_candidates.records = records.get();
+    params.unit_candidates.row_bound = maxima.get();
+    params.unit_candidates.row_top = maxima.get() + kRows;
+    params.unit_candidates.tail_inv_temperature =
+        problem.inv_temperature->get();
+    const cudaError_t error =
+        LaunchFusedSample(params, workspace.get(), workspace_bytes, nullptr);
+    if (error != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+      return ::testing::AssertionFailure()
+             << "LaunchFusedSample: " << cudaGetErrorString(error);
+    }
+    if (records.Download(out, units * batch) != cudaSuccess ||
+        maxima.Download(out_maxima, maxima.count()) != cudaSuccess) {
+      return ::testing::AssertionFailure() << "download failed";
+    }
+    return ::testing::AssertionSuccess();
+  };
+  for (int batch : {17, 128, 200}) {
+    for (bool multicast : {true, false}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "batch " << batch << " multicast " << multicast);
+      size_t set_aside = 1;
+      ASSERT_EQ(FusedSampleSetAsideL2ForUnits(0, &set_aside), cudaSuccess);
+      EXPECT_EQ(set_aside, 0u);
+      std::vector<UnitRecord> plain;
+      std::vector<uint32_t> plain_maxima;
+      ASSERT_TRUE(launch(batch, multicast, &plain, &plain_maxima));
+      ASSERT_EQ(FusedSampleSetAsideL2ForUnits(-1, &set_aside), cudaSuccess);
+      EXPECT_EQ(set_aside, std::min(static_cast<size_t>(l2) / 5 * 2,
+                                    static_cast<size_t>(most)));
+      std::vector<UnitRecord> kept;
+      std::vector<uint32_t> kept_maxima;
+      ASSERT_TRUE(launch(batch, multicast, &kept, &kept_maxima));
+      EXPECT_EQ(std::memcmp(plain.data(), kept.data(),
+                            sizeof(UnitRecord) * plain.size()),
+                0);
+      EXPECT_EQ(plain_maxima, kept_maxima);
+      // Every record written: a bound is 0 or has its low 5 bits set, and
+      // the fill's 0xa5a5a5a5 has not.
+      for (size_t q = 0; q < kept.size(); ++q) {
+        ASSERT_NE(kept[q].bound, 0xa5a5a5a5u) << "record " << q;
+      }
+    }
+  }
+  size_t set_aside = 1;
+  EXPECT_EQ(FusedSampleSetAsideL2ForUnits(0, &set_aside), cudaSuccess);
+}
+
 TEST_F(FusedSamplerGpuTest, GreedyTiesGoToTheLowestGlobalId) {
   constexpr int64_t kVocab = 300;
   constexpr int kHidden = 64;
