@@ -36,6 +36,10 @@ struct EngineInfo {
   // Tensor parallel: how ranks hand candidates to rank 0 ("nccl_device" or
   // "cuda_peer", with the reason when "auto" fell back); empty on one rank.
   std::string tp_transport;
+  // CUDA: where a controlled batch's candidates come from, for the startup
+  // log: "unit candidates, 20 MiB of L2 set aside" (or why none is), or
+  // "materialized logits"; empty on the CPU.
+  std::string controls_path;
   // Sampling controls implemented exactly (names from AllSamplingControls()).
   std::vector<std::string> supported_controls;
 };

@@ -298,7 +298,10 @@ int main(int argc, char** argv) {
           : absl::StrCat(" on devices ", absl::StrJoin(devices, ",")),
       ", tp ", info.shards.size(),
       info.tp_transport.empty() ? ""
-                                : absl::StrCat(" over ", info.tp_transport)));
+                                : absl::StrCat(" over ", info.tp_transport),
+      info.controls_path.empty()
+          ? ""
+          : absl::StrCat("; controls from ", info.controls_path)));
   if (absl::Status s = (*server)->Start(); !s.ok()) {
     Log(absl::StrCat("startup failed: ", s.ToString()));
     return 1;

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -94,6 +95,20 @@ inline Candidate ReferenceSample(const float* logits, int64_t vocab,
     }
   }
   return best;
+}
+
+// What FusedSampleSetAsideL2ForUnits(-1, ...) sets aside on device 0: 2/5
+// of its L2, at most what it allows for persisting accesses (0 where the
+// attributes cannot be read).
+inline size_t DefaultUnitL2SetAside() {
+  int l2 = 0;
+  int most = 0;
+  if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&most, cudaDevAttrMaxPersistingL2CacheSize, 0) !=
+          cudaSuccess) {
+    return 0;
+  }
+  return std::min(static_cast<size_t>(l2) / 5 * 2, static_cast<size_t>(most));
 }
 
 // The tensor-core paths this device runs, and the block_n values of each.

@@ -632,15 +632,20 @@ absl::Status CudaEngine::Init() {
   units_path_ =
       options_.unit_candidates && num_ranks == 1 && candidate_path &&
       FusedSampleResolveKernel(FusedKernel::kAuto) == FusedKernel::kWgmma;
+  info_.controls_path = "materialized logits";
   if (units_path_) {
     // Part of the L2 keeps the unit records there from the fused kernel to
     // the merge kernel (FusedSampleSetAsideL2ForUnits): qwen top_k + top_p +
     // min_p at B = 128 took 461 against 476 us (H100, fs_controls_bench).
     // A GPU that refuses (MIG, MPS) serves the units without it.
     size_t set_aside = 0;
-    if (FusedSampleSetAsideL2ForUnits(-1, &set_aside) != cudaSuccess) {
-      cudaGetLastError();
-    }
+    const cudaError_t set = FusedSampleSetAsideL2ForUnits(-1, &set_aside);
+    if (set != cudaSuccess) cudaGetLastError();
+    info_.controls_path =
+        set == cudaSuccess ? absl::StrCat("unit candidates, ", set_aside >> 20,
+                                          " MiB of L2 set aside")
+                           : absl::StrCat("unit candidates, no L2 set aside (",
+                                          cudaGetErrorString(set), ")");
   }
   const size_t batch_units = static_cast<size_t>(options_.max_batch_rows) *
                              static_cast<size_t>(UnitsPerRow(vocab));

@@ -200,6 +200,25 @@ class FusedSamplerGpuTest : public ::testing::Test {
     return ::testing::AssertionSuccess();
   }
 
+  // Uploads a problem of small-integer W (|w| <= 3) and hidden rows
+  // (|h| <= 2) drawn from `seed`, with MakeControls(rows, salt)'s controls.
+  static ::testing::AssertionResult UploadSmallIntegers(int64_t vocab,
+                                                        int hidden_size,
+                                                        int rows, uint64_t seed,
+                                                        uint64_t salt,
+                                                        Problem* problem) {
+    std::mt19937_64 rng(seed);
+    const std::vector<float> weights =
+        SmallIntegers(vocab * hidden_size, 3, rng);
+    const std::vector<float> hidden = SmallIntegers(rows * hidden_size, 2, rng);
+    std::vector<float> inv_t;
+    std::vector<uint64_t> seeds;
+    std::vector<uint64_t> steps;
+    MakeControls(rows, salt, &inv_t, &seeds, &steps);
+    return Upload(weights, hidden, vocab, hidden_size, DType::kBf16, inv_t,
+                  seeds, steps, problem);
+  }
+
   // Stage 1 + stage 2 over rows of `problem`, three ways: with candidates and
   // LaunchReduceCandidates (the tensor-parallel tile layout), with the
   // in-kernel stage 2 (token_ids), and with the shard's winners
@@ -640,16 +659,8 @@ TEST_F(FusedSamplerWgmmaGpuTest, TimelineRecordsEveryPieceAndChangesNoToken) {
   constexpr int kHidden = 128;
   constexpr int kRows = 64;
   constexpr int kPieces = 8;
-  std::mt19937_64 rng(33);
-  const std::vector<float> weights = SmallIntegers(vocab * kHidden, 3, rng);
-  const std::vector<float> hidden = SmallIntegers(kRows * kHidden, 2, rng);
-  std::vector<float> inv_t;
-  std::vector<uint64_t> seeds;
-  std::vector<uint64_t> steps;
-  MakeControls(kRows, 8, &inv_t, &seeds, &steps);
   Problem problem;
-  ASSERT_TRUE(Upload(weights, hidden, vocab, kHidden, DType::kBf16, inv_t,
-                     seeds, steps, &problem));
+  ASSERT_TRUE(UploadSmallIntegers(vocab, kHidden, kRows, 33, 8, &problem));
   const size_t workspace_bytes =
       FusedSampleWorkspaceSize(kRows, vocab, kHidden);
   DeviceArray<char> workspace(workspace_bytes);
@@ -699,26 +710,11 @@ TEST_F(FusedSamplerWgmmaGpuTest, TimelineRecordsEveryPieceAndChangesNoToken) {
 // launch alike) write the same records and row maxima, byte for byte, as
 // launches without it.
 TEST_F(FusedSamplerWgmmaGpuTest, UnitRecordsKeptInL2AreTheSameBytes) {
-  int l2 = 0;
-  int most = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0),
-            cudaSuccess);
-  ASSERT_EQ(
-      cudaDeviceGetAttribute(&most, cudaDevAttrMaxPersistingL2CacheSize, 0),
-      cudaSuccess);
   constexpr int64_t kVocab = 41 * 128 + 56;
   constexpr int kHidden = 128;
   constexpr int kRows = 200;
-  std::mt19937_64 rng(77);
-  const std::vector<float> weights = SmallIntegers(kVocab * kHidden, 3, rng);
-  const std::vector<float> hidden = SmallIntegers(kRows * kHidden, 2, rng);
-  std::vector<float> inv_t;
-  std::vector<uint64_t> seeds;
-  std::vector<uint64_t> steps;
-  MakeControls(kRows, 8, &inv_t, &seeds, &steps);
   Problem problem;
-  ASSERT_TRUE(Upload(weights, hidden, kVocab, kHidden, DType::kBf16, inv_t,
-                     seeds, steps, &problem));
+  ASSERT_TRUE(UploadSmallIntegers(kVocab, kHidden, kRows, 77, 8, &problem));
   const size_t units = static_cast<size_t>(UnitsPerRow(kVocab));
   DeviceArray<UnitRecord> records(units * kRows);
   DeviceArray<uint32_t> maxima(2 * kRows);
@@ -769,8 +765,7 @@ TEST_F(FusedSamplerWgmmaGpuTest, UnitRecordsKeptInL2AreTheSameBytes) {
       std::vector<uint32_t> plain_maxima;
       ASSERT_TRUE(launch(batch, multicast, &plain, &plain_maxima));
       ASSERT_EQ(FusedSampleSetAsideL2ForUnits(-1, &set_aside), cudaSuccess);
-      EXPECT_EQ(set_aside, std::min(static_cast<size_t>(l2) / 5 * 2,
-                                    static_cast<size_t>(most)));
+      EXPECT_EQ(set_aside, testing_gpu::DefaultUnitL2SetAside());
       std::vector<UnitRecord> kept;
       std::vector<uint32_t> kept_maxima;
       ASSERT_TRUE(launch(batch, multicast, &kept, &kept_maxima));

@@ -754,6 +754,17 @@ TEST_F(CudaEngineGpuTest, ReportsItsShapeAndRefusesWhatItCannotDoExactly) {
   EXPECT_EQ(info.shards[0].vocab_begin, 0);
   EXPECT_EQ(info.shards[0].vocab_end, 1001);
   EXPECT_EQ(info.supported_controls, AllSamplingControls());
+  // One sm_90 GPU takes controls from unit candidates, with 2/5 of its L2
+  // set aside for their records (FusedSampleSetAsideL2ForUnits); others
+  // from materialized logits.
+  if (FusedSampleResolveKernel(FusedKernel::kAuto) == FusedKernel::kWgmma) {
+    EXPECT_EQ(info.controls_path,
+              "unit candidates, " +
+                  std::to_string(testing_gpu::DefaultUnitL2SetAside() >> 20) +
+                  " MiB of L2 set aside");
+  } else {
+    EXPECT_EQ(info.controls_path, "materialized logits");
+  }
   EXPECT_EQ((*engine)->max_slots(), 2);
   EXPECT_NE((*engine)->slot_input(1), nullptr);
   EXPECT_EQ((*engine)->slot_input(2), nullptr);
