@@ -19,7 +19,7 @@
 //   fs_controls_bench --out DIR [--configs qwen,llama]
 //                     [--batches 1,16,64,128,256] [--iters 50] [--warmup 10]
 //                     [--stage1 greedy|sampled] [--multicast on|off]
-//                     [--l2_set_aside_mb N]
+//                     [--l2_set_aside_mb N] [--interleaved on|off]
 //
 // --stage1 sampled scores every row's noise in the controlled path's
 // stage 1 too (its tokens are not used): what running the rows greedy
@@ -28,6 +28,11 @@
 // multicast_w). --l2_set_aside_mb sets aside N MiB of L2 for the unit
 // records instead of the engine's default (FusedSampleSetAsideL2ForUnits;
 // 0: none), for every method of the run, as the engine's does.
+// --interleaved on also times each controlled method from the fused
+// kernel (logits and units) call for call with the plain kernel
+// (Timer::RunInterleaved): its "_interleaved" row's ratio is to the plain
+// kernel's calls of that run, which cancels the drift of the GPU's clock
+// at its power cap (B = 256), as fs_bench's interleaved column does.
 //
 // Hidden states: "flat" rows are fs_bench's inputs (logits' std about 2.5,
 // softmax entropy near ln V); "peaked" rows scale them until the mean
@@ -63,6 +68,7 @@ struct Options {
   bool stage1_sampled = false;  // --stage1 sampled
   bool multicast = true;     // --multicast off: FusedTuning::multicast_h and _w
   int l2_set_aside_mb = -1;  // --l2_set_aside_mb; < 0: the default
+  bool interleaved = false;  // --interleaved on
 };
 
 struct ModelConfig {
@@ -93,6 +99,8 @@ bool ParseOptions(int argc, char** argv, Options* options) {
       options->multicast = value == "on";
     } else if (flag == "--l2_set_aside_mb") {
       options->l2_set_aside_mb = std::atoi(value.c_str());
+    } else if (flag == "--interleaved" && (value == "on" || value == "off")) {
+      options->interleaved = value == "on";
     } else {
       std::fprintf(stderr, "fs_controls_bench: unknown flag %s\n",
                    flag.c_str());
@@ -385,6 +393,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       std::string method;
       Stats stats;
       double fallback = -1.0;  // rows the full passes sampled, < 0: n/a
+      double plain_us = 0.0;   // the ratio's reference; 0: fused_plain's
     };
     std::vector<Result> results;
     auto time = [&](const std::string& name,
@@ -394,10 +403,26 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       results.push_back({name, stats});
       return true;
     };
+    const std::function<cudaError_t()> plain_launch = [&] {
+      return fused(peaked, batch, nullptr, inv_temperature);
+    };
+    // `launch` and the plain kernel call for call (--interleaved on).
+    auto time_interleaved = [&](const std::string& name,
+                                const std::function<cudaError_t()>& launch) {
+      if (!options.interleaved) return true;
+      Stats stats;
+      Stats plain_stats;
+      if (!timer.RunInterleaved(options.warmup, launch, plain_launch, &stats,
+                                &plain_stats)) {
+        return false;
+      }
+      results.push_back(
+          {name + "_interleaved", stats, -1.0, plain_stats.median_us});
+      return true;
+    };
     // fused_logits_out is the controlled path's stage 1 (rows greedy);
     // fused_logits_out_sampled scores every row's noise as well.
-    if (!time("fused_plain",
-              [&] { return fused(peaked, batch, nullptr, inv_temperature); }) ||
+    if (!time("fused_plain", plain_launch) ||
         !time("fused_logits_out",
               [&] {
                 return fused(peaked, batch, logits, greedy_inv_temperature);
@@ -483,36 +508,35 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
         results.back().fallback = static_cast<double>(full) / batch;
         return true;
       };
-      if (!time("fused_" + controls.name,
-                [&] {
-                  const cudaError_t error =
-                      fused(h, batch, logits,
-                            options.stage1_sampled ? inv_temperature
-                                                   : greedy_inv_temperature);
-                  return error != cudaSuccess ? error : sample();
-                }) ||
+      const std::function<cudaError_t()> logits_launch = [&] {
+        const cudaError_t error = fused(
+            h, batch, logits,
+            options.stage1_sampled ? inv_temperature : greedy_inv_temperature);
+        return error != cudaSuccess ? error : sample();
+      };
+      // The units' candidate path; its uncertified rows would take the
+      // logits' path as well.
+      const std::function<cudaError_t()> units_launch = [&] {
+        cudaError_t error =
+            units.token_classes == nullptr
+                ? cudaSuccess
+                : LaunchUnitTokenClasses(params, unit_token_classes, stream);
+        if (error == cudaSuccess) {
+          error = fused_units(h, batch, units.tail_inv_temperature,
+                              units.token_classes);
+        }
+        return error != cudaSuccess ? error
+                                    : LaunchControlledSampleFromUnits(
+                                          params, units, controlled_workspace,
+                                          controlled_workspace_bytes, stream);
+      };
+      if (!time("fused_" + controls.name, logits_launch) ||
           !record_fallback() ||
-          // The units' candidate path; its uncertified rows would take the
-          // path above as well.
-          (units_serve &&
-           !time("units_" + controls.name,
-                 [&] {
-                   cudaError_t error =
-                       units.token_classes == nullptr
-                           ? cudaSuccess
-                           : LaunchUnitTokenClasses(params, unit_token_classes,
-                                                    stream);
-                   if (error == cudaSuccess) {
-                     error = fused_units(h, batch, units.tail_inv_temperature,
-                                         units.token_classes);
-                   }
-                   return error != cudaSuccess
-                              ? error
-                              : LaunchControlledSampleFromUnits(
-                                    params, units, controlled_workspace,
-                                    controlled_workspace_bytes, stream);
-                 })) ||
+          !time_interleaved("fused_" + controls.name, logits_launch) ||
+          (units_serve && !time("units_" + controls.name, units_launch)) ||
           (units_serve && !record_fallback()) ||
+          (units_serve &&
+           !time_interleaved("units_" + controls.name, units_launch)) ||
           !time("sampler_only_" + controls.name, sample) ||
           !time("cublas_" + controls.name,
                 [&] {
@@ -538,6 +562,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     }
     const double plain = results[0].stats.median_us;
     for (const Result& r : results) {
+      const double reference = r.plain_us > 0.0 ? r.plain_us : plain;
       std::string fallback;
       if (r.fallback >= 0.0) {
         char text[32];
@@ -547,10 +572,11 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       std::fprintf(csv, "%s,%lld,%d,%d,%s,%.2f,%.2f,%.2f,%.4f,%s\n",
                    config.name.c_str(), static_cast<long long>(vocab), hidden,
                    batch, r.method.c_str(), r.stats.median_us, r.stats.p10_us,
-                   r.stats.p90_us, r.stats.median_us / plain, fallback.c_str());
+                   r.stats.p90_us, r.stats.median_us / reference,
+                   fallback.c_str());
       std::printf("[%s] B=%3d %-34s %9.1f us  %6.3fx fused_plain%s%s\n",
                   config.name.c_str(), batch, r.method.c_str(),
-                  r.stats.median_us, r.stats.median_us / plain,
+                  r.stats.median_us, r.stats.median_us / reference,
                   fallback.empty() ? "" : "  full-pass rows ",
                   fallback.c_str());
     }
