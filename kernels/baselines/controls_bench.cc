@@ -627,7 +627,6 @@ bool Main(int argc, char** argv) {
   if (set != cudaSuccess) {  // MIG, MPS: the engine goes on without it too
     std::printf("fs_controls_bench: no L2 set-aside: %s\n",
                 cudaGetErrorString(set));
-    cudaGetLastError();
   }
   Timer timer;
   if (!timer.Init(options.iters, 2 * static_cast<size_t>(prop.l2CacheSize),

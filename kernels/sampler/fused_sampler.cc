@@ -379,7 +379,10 @@ cudaError_t FusedSampleSetAsideL2ForUnits(int64_t bytes, size_t* set_aside) {
     error = cudaDeviceGetAttribute(&most, cudaDevAttrMaxPersistingL2CacheSize,
                                    device);
   }
-  if (error != cudaSuccess) return error;
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // nothing left pending for the caller's next check
+    return error;
+  }
   // 2/5 of the L2 (20 of 50 MiB on an H100) holds the records of 128 rows
   // at V = 151936 (19.5 MB). The set-aside costs other kernels L2 even
   // while no persisting line holds it (H100, qwen): 25 MiB slowed the
@@ -391,7 +394,10 @@ cudaError_t FusedSampleSetAsideL2ForUnits(int64_t bytes, size_t* set_aside) {
       bytes < 0 ? static_cast<size_t>(l2) / 5 * 2 : static_cast<size_t>(bytes);
   const size_t size = std::min(wanted, static_cast<size_t>(std::max(most, 0)));
   error = cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, size);
-  if (error != cudaSuccess) return error;
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // MIG, MPS: refused; nothing left pending
+    return error;
+  }
   *set_aside = size;
   return cudaSuccess;
 }

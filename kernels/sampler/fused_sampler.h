@@ -163,7 +163,7 @@ FusedKernel FusedSampleResolveKernel(FusedKernel requested);
 // the whole context's, and it costs the kernels that stream through the rest
 // of the L2 even while no persisting line holds it (the default's numbers:
 // fused_sampler.cc). Under MIG or MPS the GPU refuses (an error; nothing set
-// aside here).
+// aside here, and no error left pending).
 cudaError_t FusedSampleSetAsideL2ForUnits(int64_t bytes, size_t* set_aside);
 
 // Stage 1. Returns cudaErrorInvalidValue for unsupported operands (dtype

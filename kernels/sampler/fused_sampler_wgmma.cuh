@@ -773,23 +773,18 @@ cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(Config::kSmemBytes));
   if (error != cudaSuccess) return error;
-  if (records_l2.num_bytes > 0) {
-    cudaLaunchAttribute window;
-    window.id = cudaLaunchAttributeAccessPolicyWindow;
-    window.val.accessPolicyWindow = records_l2;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(ctas));
-    config.blockDim = dim3(Config::kThreads);
-    config.dynamicSmemBytes = Config::kSmemBytes;
-    config.stream = stream;
-    config.attrs = &window;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, maps_w[0], maps_w[1], maps_h[0],
-                              maps_h[1], args);
-  }
-  kernel<<<ctas, Config::kThreads, Config::kSmemBytes, stream>>>(
-      maps_w[0], maps_w[1], maps_h[0], maps_h[1], args);
-  return cudaGetLastError();
+  cudaLaunchAttribute window;
+  window.id = cudaLaunchAttributeAccessPolicyWindow;
+  window.val.accessPolicyWindow = records_l2;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(Config::kThreads);
+  config.dynamicSmemBytes = Config::kSmemBytes;
+  config.stream = stream;
+  config.attrs = &window;
+  config.numAttrs = records_l2.num_bytes > 0 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, maps_w[0], maps_w[1], maps_h[0],
+                            maps_h[1], args);
 }
 
 // Ring depth per (kBlockN, kHalves): as many stages as fit next to the two

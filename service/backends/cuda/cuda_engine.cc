@@ -640,7 +640,6 @@ absl::Status CudaEngine::Init() {
     // A GPU that refuses (MIG, MPS) serves the units without it.
     size_t set_aside = 0;
     const cudaError_t set = FusedSampleSetAsideL2ForUnits(-1, &set_aside);
-    if (set != cudaSuccess) cudaGetLastError();
     info_.controls_path =
         set == cudaSuccess ? absl::StrCat("unit candidates, ", set_aside >> 20,
                                           " MiB of L2 set aside")
