@@ -58,6 +58,12 @@ ABSL_FLAG(int, n, 1, "samples per row");
 ABSL_FLAG(int, top_k, 0, "top_k of every row; 0 = off");
 ABSL_FLAG(float, top_p, 1.0f, "top_p of every row; 1 = off");
 ABSL_FLAG(float, min_p, 0.0f, "min_p of every row; 0 = off");
+ABSL_FLAG(int, logprobs, 0,
+          "raw logprobs of every row: the sampled token's and the top N "
+          "(N <= 20); 0 = none");
+ABSL_FLAG(bool, allow_even_ids, false,
+          "an allowed-token bitmask on every row allowing the even ids, half "
+          "of the vocabulary (19 KB a row at V = 151936)");
 ABSL_FLAG(uint64_t, seed, 1,
           "seed of the random hidden states and of the arrival process");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "deadline per call");
@@ -165,6 +171,20 @@ int Main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_top_p) != 1.0f)
     fields.params.set_top_p(absl::GetFlag(FLAGS_top_p));
   fields.params.set_min_p(absl::GetFlag(FLAGS_min_p));
+  if (const int top = absl::GetFlag(FLAGS_logprobs); top > 0) {
+    fields.params.mutable_logprobs()->set_sampled_logprob(true);
+    fields.params.mutable_logprobs()->set_top_logprobs(top);
+  }
+  if (absl::GetFlag(FLAGS_allow_even_ids)) {
+    auto info = (*client)->GetModelInfo();
+    if (!info.ok()) return Fail(info.status());
+    const int64_t words = (info->vocab_size() + 31) / 32;
+    for (int64_t w = 0; w < words; ++w) {
+      // Bit (t & 31) of word t >> 5 allows token t.
+      fields.params.add_allowed_token_bitmask(
+          static_cast<int32_t>(0x55555555u));
+    }
+  }
   auto request = MakeSampleRequest(hidden, fields);
   if (!request.ok()) return Fail(request.status());
 

@@ -14,6 +14,9 @@ time at the same batch sizes when fs_bench results are given.
   # the same with sampling controls on every request:
   load/service_bench.py ... --grid callers --load_arg=--top_k=50 \
       --load_arg=--top_p=0.9 --load_arg=--min_p=0.05
+  # requests of 1 to 256 rows with a bitmask and raw logprobs on each row:
+  load/service_bench.py ... --grid rows --load_arg=--allow_even_ids \
+      --load_arg=--logprobs=5
   # over a Unix socket instead of loopback TCP (callers on the same host):
   load/service_bench.py ... --unix_socket
   # the service path alone (engine answers at once):
@@ -59,6 +62,10 @@ FULL_GRID = ([("closed", c, 1) for c in (1, 16, 64, 256)] +
 CALLERS_GRID = [("closed", c, 1) for c in (1, 16, 64, 256)]
 SMOKE_GRID = [("closed", 1, 1), ("closed", 16, 1), ("closed", 4, 16),
               ("open", 200, 1)]
+# Batches of the kernel's sizes from one and from several callers: what
+# per-row controls (bitmasks, logprobs) cost the service.
+ROWS_GRID = [("closed", 1, 1), ("closed", 64, 1), ("closed", 1, 64),
+             ("closed", 1, 256), ("closed", 4, 64)]
 
 HISTOGRAMS = ("flashsampler_queue_wait_seconds",
               "flashsampler_batch_execute_seconds",
@@ -183,7 +190,8 @@ def main():
                         "explicit); ignored by the null engine")
     parser.add_argument("--kernel_config", default="qwen",
                         help="fs_bench config whose times to show")
-    parser.add_argument("--grid", default="full", choices=("full", "callers", "smoke"))
+    parser.add_argument("--grid", default="full",
+                        choices=("full", "callers", "smoke", "rows"))
     parser.add_argument("--duration", default="8s")
     parser.add_argument("--warmup", default="2s")
     parser.add_argument("--kernel_csv", default="",
@@ -224,7 +232,7 @@ def main():
                   file=sys.stderr)
             return 1
         grid = {"full": FULL_GRID, "callers": CALLERS_GRID,
-                "smoke": SMOKE_GRID}[args.grid]
+                "smoke": SMOKE_GRID, "rows": ROWS_GRID}[args.grid]
         summary = os.path.join(args.out, "load.csv")
         if os.path.exists(summary):
             os.remove(summary)

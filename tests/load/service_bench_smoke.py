@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """CI smoke run of load/service_bench.py: the CPU backend on tiny synthetic
-weights, the smoke grid, short points. Asserts that the table is produced,
-one row per point, with no errors (timings are not asserted).
+weights, the smoke grid, short points, every request with top_k, a bitmask
+and raw logprobs (fs_load's controls flags). Asserts that the table is
+produced, one row per point, with no errors (timings are not asserted).
 
   service_bench_smoke.py SOURCE_DIR DAEMON FS_LOAD OUT_DIR
 """
@@ -19,7 +20,9 @@ def main():
          "--daemon", daemon, "--load", load, "--backend", "cpu",
          "--weights", "synthetic:vocab=4096,hidden=256,seed=1,dtype=bf16",
          "--grid", "smoke", "--duration", "1s", "--warmup", "0.2s",
-         "--out", out, "--daemon_arg=--cpu_threads=1"],
+         "--out", out, "--daemon_arg=--cpu_threads=1",
+         "--load_arg=--top_k=50", "--load_arg=--logprobs=2",
+         "--load_arg=--allow_even_ids"],
         timeout=240)
     if done.returncode != 0:
         print(f"service_bench exited {done.returncode}", file=sys.stderr)
