@@ -37,6 +37,15 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src,
                "l"(src), "r"(src_size));
 }
 
+// 2^x (ex2.approx.ftz: within 2 ulp; a result below 2^-126 is 0): the MUFU
+// instruction alone, where exp2f and __expf's ex2 without .ftz add a
+// compare and two multiplies around it to keep a subnormal result.
+__device__ __forceinline__ float Exp2FlushSubnormal(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::);
 }

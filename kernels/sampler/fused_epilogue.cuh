@@ -1004,6 +1004,8 @@ __device__ __forceinline__ float UnitKeyValue(uint32_t key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
+constexpr float kLog2e = 1.44269504f;  // log2 e, rounded to fp32
+
 // Writes a staged quad's unit candidates (FusedSampleParams::
 // unit_candidates): lanes 2c and 2c + 1 hold column c's rows row0 + {0..15}
 // and row0 + 64 + {0..15}, one unit (slots 0-15 and 16-31). A logit ranks by
@@ -1096,14 +1098,18 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   // its own logits), -1 for the others. Left out are the logits whose key,
   // slot bits aside, is at most `cut`: on finite logits, those at or below
   // the largest value with such a key, or, where that is -0, the negative
-  // ones (-0 keys as +0, above the cut). Each term d = x - x_bound <= 0 is
-  // within 1.8e-5 of exact (__expf within 2 + 1.17 |d| ulp for d >= -87.4,
-  // below which the term is under 2^-126 of the bound's and flushes to
-  // zero; the subtraction's rounding within |d| 2^-24), the unit's sum of
-  // at most 31 within 2e-5: inside the merge kernel's 1e-3 of headroom
-  // (UnseenMassFromApprox). With expf and a key per logit, the fused
-  // kernel with its units took 698-720 against 652 us at qwen B = 256
-  // (H100, two alternating runs; docs/performance.md).
+  // ones (-0 keys as +0, above the cut). Each term exp(d), d = x - x_bound
+  // at most 0, is 2^(d log2 e) within 1.8e-5 of exact (ex2.approx.ftz within
+  // 2 ulp, the subtraction's and the product's roundings and log2 e's own
+  // within 1.3|d| ulp, for d >= -87.4, below which the term is under 2^-126
+  // of the bound's and flushes to zero), the unit's sum of at most 31 within
+  // 2e-5: inside the merge kernel's 1e-3 of headroom (UnseenMassFromApprox).
+  // With expf and a key per logit, the fused kernel with its units took
+  // 698-720 against 652 us at qwen B = 256 (H100, two alternating runs;
+  // docs/performance.md); with __expf, whose ex2 (no .ftz) takes extra
+  // instructions to keep subnormal results, top_p 0.9 took 1.29-1.30x the
+  // plain kernel call for call there, against 1.15-1.16x with
+  // ex2.approx.ftz.
   const float inv_t =
       b < args.batch && args.unit_candidates.tail_inv_temperature != nullptr
           ? args.unit_candidates.tail_inv_temperature[b]
@@ -1124,8 +1130,9 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
       for (int k = 0; k < 4; ++k) {
         const float v = run_values[k];
         if ((ranked & (1u << (4 * q + k))) != 0u && v <= cut_value) {
-          tail = __fadd_rn(tail,
-                           __expf(__fsub_rn(__fmul_rn(v, inv_t), top_scaled)));
+          tail = __fadd_rn(
+              tail, ptx::Exp2FlushSubnormal(__fmul_rn(
+                        __fsub_rn(__fmul_rn(v, inv_t), top_scaled), kLog2e)));
         }
       }
     }
