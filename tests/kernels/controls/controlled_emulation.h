@@ -133,9 +133,10 @@ inline EmulatedRow EmulateRow(const ControlledPlan& plan, int r, const float* z,
   const bool want_lse = (c.logprob_flags & kLogprobLogsumexp) != 0;
   const bool raw = (c.logprob_flags & kLogprobRaw) != 0;
   const int32_t top_n = c.top_n < vocab ? c.top_n : vocab;
-  const uint32_t* bitmask = c.bitmask_offset >= 0
-                                ? plan.bitmask().data() + c.bitmask_offset
-                                : nullptr;
+  const std::vector<uint32_t> words =
+      c.bitmask_offset >= 0 ? plan.bitmask() : std::vector<uint32_t>();
+  const uint32_t* bitmask =
+      c.bitmask_offset >= 0 ? words.data() + c.bitmask_offset : nullptr;
   const float inv_t = greedy ? 1.0f : 1.0f / c.temperature;
   std::vector<float> x(vocab);
   int32_t bad = 0x7fffffff;
