@@ -2124,10 +2124,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 // past `vocab` in the last word have neither bit. The bitmask stays out:
 // the merge kernel leaves masked candidates out of its gather, and the
 // bitmask words (19 KB a row at V = 151936) are packed and copied while the
-// fused kernel runs instead of before it: packed before it, they cost 1.6 us
-// a row for each of the plan's two copies on an H100 host (3.3 us with
-// both), more than the units save a raw-logprobs row over the logits'
-// path (0.3-1.1 us at B = 16..256, qwen).
+// fused kernel runs instead of before it. Classes made with them, the
+// batch's controls packed and copied once before the kernel, made one
+// caller of 64 bitmask rows with raw logprobs wait 1.45-1.48 ms (p50)
+// against 1.29-1.33 from the logits (H100; docs/design.md).
 __global__ void __launch_bounds__(kThreads)
     UnitTokenClassesKernel(const ControlledSampleParams p,
                            uint32_t* __restrict__ classes) {
