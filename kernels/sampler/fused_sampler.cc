@@ -191,38 +191,6 @@ int MultiprocessorCount() {
   return count;
 }
 
-// The access policy window that keeps a launch's unit records in L2's
-// persisting set-aside (FusedSampleSetAsideL2ForUnits): num_bytes 0 where
-// there are no records or nothing is set aside. Records beyond the
-// set-aside (hitRatio < 1: 256 rows at qwen's V are 39 MB) are streamed.
-cudaAccessPolicyWindow UnitRecordsL2Window(const FusedSampleParams& params) {
-  cudaAccessPolicyWindow window = {};
-  if (params.unit_candidates.records == nullptr) return window;
-  int device = 0;
-  int max_window = 0;
-  size_t set_aside = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&max_window, cudaDevAttrMaxAccessPolicyWindowSize,
-                             device) != cudaSuccess ||
-      cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize) !=
-          cudaSuccess) {
-    cudaGetLastError();  // a GPU without the limit: no window
-    return window;
-  }
-  if (set_aside == 0 || max_window <= 0) return window;
-  const size_t bytes =
-      std::min(sizeof(UnitRecord) * static_cast<size_t>(params.batch) *
-                   static_cast<size_t>(UnitsPerRow(params.vocab_rows)),
-               static_cast<size_t>(max_window));
-  window.base_ptr = params.unit_candidates.records;
-  window.num_bytes = bytes;
-  window.hitRatio = static_cast<float>(std::min(
-      1.0, static_cast<double>(set_aside) / static_cast<double>(bytes)));
-  window.hitProp = cudaAccessPropertyPersisting;
-  window.missProp = cudaAccessPropertyStreaming;
-  return window;
-}
-
 template <DType kDType>
 cudaError_t LaunchMmaFor(int block_n, const FusedArgs& args,
                          cudaStream_t stream) {
@@ -257,28 +225,27 @@ bool IsWgmmaBlockN(int block_n) {
 template <DType kDType, int kHalves>
 cudaError_t LaunchWgmmaFor(int block_n, const FusedArgs& args,
                            const CUtensorMap* maps_w, const CUtensorMap* maps_h,
-                           const cudaAccessPolicyWindow& records_l2,
                            cudaStream_t stream) {
   const int grid = MultiprocessorCount();
   switch (block_n) {
     case 16:
       return fused::LaunchWgmma<kDType, 16, kHalves>(args, maps_w, maps_h, grid,
-                                                     records_l2, stream);
+                                                     stream);
     case 64:
       return fused::LaunchWgmma<kDType, 64, kHalves>(args, maps_w, maps_h, grid,
-                                                     records_l2, stream);
+                                                     stream);
     case 80:
       return fused::LaunchWgmma<kDType, 80, kHalves>(args, maps_w, maps_h, grid,
-                                                     records_l2, stream);
+                                                     stream);
     case 96:
       return fused::LaunchWgmma<kDType, 96, kHalves>(args, maps_w, maps_h, grid,
-                                                     records_l2, stream);
+                                                     stream);
     case 112:
       return fused::LaunchWgmma<kDType, 112, kHalves>(args, maps_w, maps_h,
-                                                      grid, records_l2, stream);
+                                                      grid, stream);
     case 128:
       return fused::LaunchWgmma<kDType, 128, kHalves>(args, maps_w, maps_h,
-                                                      grid, records_l2, stream);
+                                                      grid, stream);
     default:
       return cudaErrorNotSupported;
   }
@@ -287,12 +254,10 @@ cudaError_t LaunchWgmmaFor(int block_n, const FusedArgs& args,
 template <DType kDType>
 cudaError_t LaunchWgmmaFor(int block_n, int stage_k, const FusedArgs& args,
                            const CUtensorMap* maps_w, const CUtensorMap* maps_h,
-                           const cudaAccessPolicyWindow& records_l2,
                            cudaStream_t stream) {
-  return stage_k == 128 ? LaunchWgmmaFor<kDType, 2>(block_n, args, maps_w,
-                                                    maps_h, records_l2, stream)
-                        : LaunchWgmmaFor<kDType, 1>(block_n, args, maps_w,
-                                                    maps_h, records_l2, stream);
+  return stage_k == 128
+             ? LaunchWgmmaFor<kDType, 2>(block_n, args, maps_w, maps_h, stream)
+             : LaunchWgmmaFor<kDType, 1>(block_n, args, maps_w, maps_h, stream);
 }
 
 // Calls launch(std::integral_constant<DType, d>()) for the runtime dtype d:
@@ -535,11 +500,42 @@ cudaError_t LaunchFusedSample(const FusedSampleParams& params, void* workspace,
   if (stage_k != 64 && stage_k != 128) return cudaErrorNotSupported;
   // 128-deep stages need whole stages; the same k order either way.
   if (params.hidden_size % 128 != 0) stage_k = 64;
-  const cudaAccessPolicyWindow records_l2 = UnitRecordsL2Window(params);
   return DispatchDType(params.dtype, [&](auto dtype) {
-    return LaunchWgmmaFor<decltype(dtype)::value>(
-        block_n, stage_k, args, maps_w, maps_h, records_l2, stream);
+    return LaunchWgmmaFor<decltype(dtype)::value>(block_n, stage_k, args,
+                                                  maps_w, maps_h, stream);
   });
 }
+
+namespace fused {
+
+cudaAccessPolicyWindow UnitRecordsL2Window(const FusedSampleParams& params) {
+  cudaAccessPolicyWindow window = {};
+  if (params.unit_candidates.records == nullptr) return window;
+  int device = 0;
+  int max_window = 0;
+  size_t set_aside = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&max_window, cudaDevAttrMaxAccessPolicyWindowSize,
+                             device) != cudaSuccess ||
+      cudaDeviceGetLimit(&set_aside, cudaLimitPersistingL2CacheSize) !=
+          cudaSuccess) {
+    cudaGetLastError();  // a GPU without the limit: no window
+    return window;
+  }
+  if (set_aside == 0 || max_window <= 0) return window;
+  const size_t bytes =
+      std::min(sizeof(UnitRecord) * static_cast<size_t>(params.batch) *
+                   static_cast<size_t>(UnitsPerRow(params.vocab_rows)),
+               static_cast<size_t>(max_window));
+  window.base_ptr = params.unit_candidates.records;
+  window.num_bytes = bytes;
+  window.hitRatio = static_cast<float>(std::min(
+      1.0, static_cast<double>(set_aside) / static_cast<double>(bytes)));
+  window.hitProp = cudaAccessPropertyPersisting;
+  window.missProp = cudaAccessPropertyStreaming;
+  return window;
+}
+
+}  // namespace fused
 
 }  // namespace flashsampler

@@ -46,13 +46,18 @@ template <DType kDType, int kBlockN>
 cudaError_t LaunchMma(const FusedArgs& args, cudaStream_t stream);
 // tensor_map_w: two CUtensorMaps of W, kTileRows-row and kTileRows / 2-row
 // boxes; tensor_map_h: two of H, kBlockN-row and kBlockN / 2-row boxes.
-// records_l2: the launch's access policy window over the unit records
-// (num_bytes 0: none).
+// The launch carries UnitRecordsL2Window(args) as an attribute.
 template <DType kDType, int kBlockN, int kHalves>
 cudaError_t LaunchWgmma(const FusedArgs& args, const void* tensor_map_w,
                         const void* tensor_map_h, int grid,
-                        const cudaAccessPolicyWindow& records_l2,
                         cudaStream_t stream);
+
+// The access policy window that keeps a launch's unit records in L2's
+// persisting set-aside (FusedSampleSetAsideL2ForUnits): num_bytes 0 where
+// there are no records or nothing is set aside. Records beyond the
+// set-aside (hitRatio < 1: 256 rows at qwen's V are 39 MB) are streamed.
+// Defined in fused_sampler.cc.
+cudaAccessPolicyWindow UnitRecordsL2Window(const FusedSampleParams& params);
 
 // Binary version (e.g. 90) of the wgmma kernel image the current device would
 // run; only 90 (sm_90a code) carries the wgmma instructions.

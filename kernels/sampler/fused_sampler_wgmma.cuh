@@ -737,9 +737,9 @@ cudaError_t LaunchPairKernel(const FusedArgs& args, const CUtensorMap* maps_w,
 template <typename T, int kBlockN, int kStages, int kHalves>
 cudaError_t LaunchWgmmaKernel(const FusedArgs& args, const void* tensor_map_w,
                               const void* tensor_map_h, int grid,
-                              const cudaAccessPolicyWindow& records_l2,
                               cudaStream_t stream) {
   using Config = WgmmaKernelConfig<kBlockN, kStages, kHalves>;
+  const cudaAccessPolicyWindow records_l2 = UnitRecordsL2Window(args);
   const int64_t tiles = (args.vocab_rows + kTileRows - 1) / kTileRows;
   const int64_t batch_tiles = (args.batch + kBlockN - 1) / kBlockN;
   const int64_t items = tiles * batch_tiles;
@@ -800,12 +800,11 @@ struct WgmmaTileConfig {
 template <DType kDType, int kBlockN, int kHalves>
 cudaError_t LaunchWgmma(const FusedArgs& args, const void* tensor_map_w,
                         const void* tensor_map_h, int grid,
-                        const cudaAccessPolicyWindow& records_l2,
                         cudaStream_t stream) {
   using T = typename ElementOf<kDType>::Type;
   return LaunchWgmmaKernel<T, kBlockN,
                            WgmmaTileConfig<kBlockN, kHalves>::kStages, kHalves>(
-      args, tensor_map_w, tensor_map_h, grid, records_l2, stream);
+      args, tensor_map_w, tensor_map_h, grid, stream);
 }
 
 }  // namespace fused

@@ -6,42 +6,42 @@
 namespace flashsampler {
 namespace fused {
 
-template cudaError_t LaunchWgmma<DType::kBf16, 16, 1>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 16, 2>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 64, 1>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 64, 2>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 80, 1>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 80, 2>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 96, 1>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 96, 2>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 112, 1>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 112, 2>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 128, 1>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
-template cudaError_t LaunchWgmma<DType::kBf16, 128, 2>(
-    const FusedArgs&, const void*, const void*, int,
-    const cudaAccessPolicyWindow&, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 16, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 16, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 64, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 64, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 80, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 80, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 96, 1>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 96, 2>(const FusedArgs&,
+                                                      const void*, const void*,
+                                                      int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 112, 1>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 112, 2>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 128, 1>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
+template cudaError_t LaunchWgmma<DType::kBf16, 128, 2>(const FusedArgs&,
+                                                       const void*, const void*,
+                                                       int, cudaStream_t);
 
 cudaError_t WgmmaKernelBinaryVersion(int* version) {
   cudaFuncAttributes attributes;
