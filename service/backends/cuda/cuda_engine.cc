@@ -1136,29 +1136,26 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
                        kControlledPlanBudgetBytes, "-byte staging"));
     }
     slot.plan.WriteBytes(slot.host_plan);
-    if (c == 0) {
-      // Beside the fused kernel, not after it: a batch's bitmasks are 19 KB
-      // a row at V = 151936 (1.2 MB at 64 rows). One caller of 64 rows with
-      // a bitmask and raw logprobs: batch execution 0.65 against 0.69-0.70
-      // ms (H100, two alternating rounds). Nothing else of this batch reads
-      // device_plan before the sampler, and the slot's previous batch has
-      // finished.
-      FS_RETURN_IF_ERROR(
-          Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
-                                cudaMemcpyHostToDevice, slot.controls_stream),
-                "cudaMemcpyAsync(controls)"));
+    // The first chunk's copy runs beside the fused kernel, not after it: a
+    // batch's bitmasks are 19 KB a row at V = 151936 (1.2 MB at 64 rows).
+    // One caller of 64 rows with a bitmask and raw logprobs: batch
+    // execution 0.65 against 0.69-0.70 ms (H100, two alternating rounds).
+    // Nothing else of this batch reads device_plan before the sampler, and
+    // the slot's previous batch has finished; a later chunk's copy follows
+    // the previous chunk's sampler, which read device_plan, on root.stream.
+    const bool beside = c == 0;
+    FS_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
+                              cudaMemcpyHostToDevice,
+                              beside ? slot.controls_stream : root.stream),
+              "cudaMemcpyAsync(controls)"));
+    if (beside) {
       FS_RETURN_IF_ERROR(
           Check(cudaEventRecord(slot.controls_copied, slot.controls_stream),
                 "cudaEventRecord"));
       FS_RETURN_IF_ERROR(
           Check(cudaStreamWaitEvent(root.stream, slot.controls_copied, 0),
                 "cudaStreamWaitEvent"));
-    } else {
-      // The previous chunk's sampler read device_plan on this stream.
-      FS_RETURN_IF_ERROR(
-          Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
-                                cudaMemcpyHostToDevice, root.stream),
-                "cudaMemcpyAsync(controls)"));
     }
     ControlledSampleParams params;
     slot.plan.BindInputs(slot.device_plan, vocab, &params);
