@@ -16,6 +16,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -152,15 +153,19 @@ int Main(int argc, char** argv) {
   } else if (dtype_name != "bf16") {
     return Fail(absl::InvalidArgumentError("--dtype: fp32, bf16 or fp16"));
   }
+  const std::string hidden_file = absl::GetFlag(FLAGS_hidden_file);
+  // The daemon's shape, where random hidden states or the bitmask need it.
+  absl::StatusOr<v1::ModelInfo> info;
+  if (hidden_file.empty() || absl::GetFlag(FLAGS_allow_even_ids)) {
+    info = (*client)->GetModelInfo();
+    if (!info.ok()) return Fail(info.status());
+  }
   HiddenStates hidden;
-  if (const std::string file = absl::GetFlag(FLAGS_hidden_file);
-      !file.empty()) {
-    auto loaded = LoadHiddenStates(file, absl::GetFlag(FLAGS_rows));
+  if (!hidden_file.empty()) {
+    auto loaded = LoadHiddenStates(hidden_file, absl::GetFlag(FLAGS_rows));
     if (!loaded.ok()) return Fail(loaded.status());
     hidden = ConvertHiddenStates(*loaded, dtype);
   } else {
-    auto info = (*client)->GetModelInfo();
-    if (!info.ok()) return Fail(info.status());
     hidden = RandomHiddenStates(absl::GetFlag(FLAGS_rows), info->hidden_size(),
                                 absl::GetFlag(FLAGS_seed), dtype);
   }
@@ -176,14 +181,10 @@ int Main(int argc, char** argv) {
     fields.params.mutable_logprobs()->set_top_logprobs(top);
   }
   if (absl::GetFlag(FLAGS_allow_even_ids)) {
-    auto info = (*client)->GetModelInfo();
-    if (!info.ok()) return Fail(info.status());
-    const int64_t words = (info->vocab_size() + 31) / 32;
-    for (int64_t w = 0; w < words; ++w) {
-      // Bit (t & 31) of word t >> 5 allows token t.
-      fields.params.add_allowed_token_bitmask(
-          static_cast<int32_t>(0x55555555u));
-    }
+    // Bit (t & 31) of word t >> 5 allows token t.
+    fields.params.mutable_allowed_token_bitmask()->Resize(
+        static_cast<int>((info->vocab_size() + 31) / 32),
+        static_cast<int32_t>(0x55555555u));
   }
   auto request = MakeSampleRequest(hidden, fields);
   if (!request.ok()) return Fail(request.status());
