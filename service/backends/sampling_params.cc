@@ -3,6 +3,7 @@
 // backend can refuse.
 #include "service/backends/sampling_params.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -60,8 +61,9 @@ class FieldChecker {
                        absl::string_view expected) const {
     return FieldViolationError(Name(field), expected);
   }
+  bool InVocab(int64_t id) const { return id >= 0 && id < vocab_; }
   absl::Status TokenId(absl::string_view field, int64_t id) const {
-    if (id >= 0 && id < vocab_) return absl::OkStatus();
+    if (InVocab(id)) return absl::OkStatus();
     return Invalid(
         field, absl::StrCat("token id must be in [0, ", vocab_, "), got ", id));
   }
@@ -84,14 +86,26 @@ class FieldChecker {
 };
 
 // Bitmask and banned ids together must leave a token of [0, V) allowed.
+// Without a copy of the bitmask (19 KB a row at V = 151936): each banned id
+// bans at most one allowed token, so the walk over the allowed tokens ends
+// by the (banned + 1)-th.
 bool LeavesAToken(const SamplingParams& p, int64_t vocab) {
+  std::vector<int32_t> banned = p.banned_token_ids;
+  std::sort(banned.begin(), banned.end());
+  banned.erase(std::unique(banned.begin(), banned.end()), banned.end());
+  if (p.allowed_bitmask.empty()) {
+    return static_cast<int64_t>(banned.size()) < vocab;  // ids are in [0, V)
+  }
   const int64_t words = (vocab + 31) / 32;
-  std::vector<uint32_t> allowed = p.allowed_bitmask;
-  if (allowed.empty()) allowed.assign(words, ~0u);
-  if (vocab % 32 != 0) allowed.back() &= (1u << (vocab % 32)) - 1u;
-  for (int32_t id : p.banned_token_ids) allowed[id / 32] &= ~(1u << (id % 32));
-  for (uint32_t w : allowed) {
-    if (w != 0) return true;
+  for (int64_t w = 0; w < words; ++w) {
+    uint32_t allowed = p.allowed_bitmask[static_cast<size_t>(w)];
+    if (w == words - 1 && vocab % 32 != 0) {
+      allowed &= (1u << (vocab % 32)) - 1u;
+    }
+    for (; allowed != 0; allowed &= allowed - 1) {
+      const int32_t id = static_cast<int32_t>(32 * w + __builtin_ctz(allowed));
+      if (!std::binary_search(banned.begin(), banned.end(), id)) return true;
+    }
   }
   return false;
 }
@@ -138,9 +152,17 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
         "min_p",
         absl::StrCat("must be in [0, 1] (0 = off), got ", FloatStr(p.min_p)));
   }
+  // The lists' entries are checked first and named only when one fails:
+  // building each entry's name took 10 us a row with 64 bias entries and 64
+  // prompt and output ids (a development host).
   for (size_t i = 0; i < p.logit_bias.size(); ++i) {
-    const std::string name = absl::StrCat("logit_bias[", i, "]");
     const TokenBias& b = p.logit_bias[i];
+    const bool bias_ok =
+        rules.wire ? std::isfinite(b.bias)
+                   : !std::isnan(b.bias) &&
+                         b.bias != std::numeric_limits<float>::infinity();
+    if (bias_ok && check.InVocab(b.token_id)) continue;
+    const std::string name = absl::StrCat("logit_bias[", i, "]");
     if (absl::Status s = check.TokenId(name + ".token_id", b.token_id);
         !s.ok()) {
       return s;
@@ -156,6 +178,7 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
     }
   }
   for (size_t i = 0; i < p.banned_token_ids.size(); ++i) {
+    if (check.InVocab(p.banned_token_ids[i])) continue;
     if (absl::Status s = check.TokenId(
             absl::StrCat("banned_token_ids[", i, "]"), p.banned_token_ids[i]);
         !s.ok()) {
@@ -165,7 +188,7 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
   const int64_t words = (vocab_size + 31) / 32;
   if (!p.allowed_bitmask.empty() &&
       static_cast<int64_t>(p.allowed_bitmask.size()) != words) {
-    return check.Invalid("allowed_token_bitmask",
+    return check.Invalid(rules.bitmask_field,
                          absl::StrCat("must be empty or hold ceil(V / 32) = ",
                                       words, " int32 words (V = ", vocab_size,
                                       "), got ", p.allowed_bitmask.size()));
@@ -174,10 +197,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
   if (rules.wire &&
       (!p.allowed_bitmask.empty() || !p.banned_token_ids.empty()) &&
       !LeavesAToken(p, vocab_size)) {
-    return check.Invalid(p.allowed_bitmask.empty() ? "banned_token_ids"
-                                                   : "allowed_token_bitmask",
-                         "must leave at least one token of the vocabulary "
-                         "allowed");
+    return check.Invalid(
+        p.allowed_bitmask.empty() ? "banned_token_ids" : rules.bitmask_field,
+        "must leave at least one token of the vocabulary "
+        "allowed");
   }
   if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0.0f) {
     return check.Invalid("repetition_penalty",
@@ -193,6 +216,7 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
     return s;
   }
   for (size_t i = 0; i < p.prompt_token_ids.size(); ++i) {
+    if (check.InVocab(p.prompt_token_ids[i])) continue;
     if (absl::Status s = check.TokenId(
             absl::StrCat("prompt_token_ids[", i, "]"), p.prompt_token_ids[i]);
         !s.ok()) {
@@ -200,8 +224,11 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
     }
   }
   for (size_t i = 0; i < p.output_token_counts.size(); ++i) {
-    const std::string name = absl::StrCat("output_token_counts[", i, "]");
     const TokenCount& c = p.output_token_counts[i];
+    if (check.InVocab(c.token_id) && c.count >= (rules.wire ? 1 : 0)) {
+      continue;
+    }
+    const std::string name = absl::StrCat("output_token_counts[", i, "]");
     if (absl::Status s = check.TokenId(name + ".token_id", c.token_id);
         !s.ok()) {
       return s;

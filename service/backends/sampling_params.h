@@ -74,6 +74,8 @@ struct SamplingRules {
   // (engines skip it), and masks that leave no token (engines report that
   // row as "every token is masked" when they sample it).
   bool wire = false;
+  // The name the bitmask's errors give it: the wire field that carried it.
+  absl::string_view bitmask_field = "allowed_token_bitmask";
 
   static SamplingRules Wire(int32_t max_n, int32_t max_top_logprobs);
   static SamplingRules Engine();

@@ -17,6 +17,11 @@
 #include "common/dtype_convert.h"
 #include "common/field_violation.h"
 
+// Tensor.data and allowed_token_bitmask_bytes are little-endian on the
+// wire; the codec copies them as they are.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "flashsampler's request codec assumes a little-endian host");
+
 namespace flashsampler {
 
 namespace {
@@ -58,8 +63,32 @@ absl::Status DecodeParams(const v1::SamplingParams& in,
   }
   out->banned_token_ids.assign(in.banned_token_ids().begin(),
                                in.banned_token_ids().end());
-  out->allowed_bitmask.assign(in.allowed_token_bitmask().begin(),
-                              in.allowed_token_bitmask().end());
+  SamplingRules rules = SamplingRules::Wire(config.limits.max_samples_per_row,
+                                            config.limits.max_top_logprobs);
+  const std::string& bitmask_bytes = in.allowed_token_bitmask_bytes();
+  if (bitmask_bytes.empty()) {
+    out->allowed_bitmask.assign(in.allowed_token_bitmask().begin(),
+                                in.allowed_token_bitmask().end());
+  } else {
+    rules.bitmask_field = "allowed_token_bitmask_bytes";
+    const std::string field =
+        absl::StrCat(prefix, ".allowed_token_bitmask_bytes");
+    if (in.allowed_token_bitmask_size() != 0) {
+      return Invalid(field,
+                     "must be empty when allowed_token_bitmask is set (one "
+                     "bitmask a row)");
+    }
+    const size_t words = static_cast<size_t>((config.vocab_size + 31) / 32);
+    if (bitmask_bytes.size() != 4 * words) {
+      return Invalid(field,
+                     absl::StrCat("must be empty or hold 4 * ceil(V / 32) = ",
+                                  4 * words, " bytes (V = ", config.vocab_size,
+                                  "), got ", bitmask_bytes.size()));
+    }
+    out->allowed_bitmask.resize(words);
+    std::memcpy(out->allowed_bitmask.data(), bitmask_bytes.data(),
+                bitmask_bytes.size());
+  }
   out->repetition_penalty =
       in.has_repetition_penalty() ? in.repetition_penalty() : 1.0f;
   out->presence_penalty = in.presence_penalty();
@@ -84,10 +113,8 @@ absl::Status DecodeParams(const v1::SamplingParams& in,
   out->logprobs.raw =
       lp.space() == v1::LogprobOptions::RAW && out->logprobs.any();
 
-  if (absl::Status s = ValidateSamplingParams(
-          *out, config.vocab_size, prefix,
-          SamplingRules::Wire(config.limits.max_samples_per_row,
-                              config.limits.max_top_logprobs));
+  if (absl::Status s =
+          ValidateSamplingParams(*out, config.vocab_size, prefix, rules);
       !s.ok()) {
     return s;
   }

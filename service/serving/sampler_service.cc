@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_util.h"
+#include "google/protobuf/arena.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "service/serving/request_wire.h"
 
@@ -62,10 +63,28 @@ bool ParseRequest(const grpc::ByteBuffer& bytes, v1::SampleRequest* request) {
   return reader.status().ok() && request->ParseFromZeroCopyStream(&reader);
 }
 
+// Arena blocks of a request: grown from 4 KB up to 256 KB, so that a
+// request of a few MB takes a few dozen of them.
+google::protobuf::ArenaOptions RequestArenaOptions() {
+  google::protobuf::ArenaOptions options;
+  options.start_block_size = 4 << 10;
+  options.max_block_size = 256 << 10;
+  return options;
+}
+
 // A request read with its hidden states left in gRPC's slices
 // (request_wire.h); requests the splitter does not follow are parsed whole.
+// The message lives on its own arena: its nested messages (a SamplingParams
+// a row, a TokenBias a bias entry, a TokenCount a generated id) are carved
+// from a few blocks instead of one heap allocation and free each. 256-row
+// requests whose rows carry a bitmask, 64 bias entries and 64 prompt and
+// generated ids took 6.9 ms a request against 10.6 to decode and refuse (a
+// development host, the null engine; malloc and free had been a third of
+// the daemon's time).
 struct WireRequest {
-  v1::SampleRequest request;
+  google::protobuf::Arena arena{RequestArenaOptions()};
+  v1::SampleRequest& request =
+      *google::protobuf::Arena::CreateMessage<v1::SampleRequest>(&arena);
   std::vector<grpc::Slice> slices;  // holds the bytes `data` points into
   std::vector<absl::string_view> data;
   bool split = false;  // `data` holds hidden_states.data
@@ -279,7 +298,9 @@ class SampleStreamReactor final
   // One request of the stream, from its read to its written answer.
   struct Entry {
     grpc::ByteBuffer request_bytes;  // as read, until parsed
-    v1::SampleRequest request;
+    google::protobuf::Arena arena{RequestArenaOptions()};  // as WireRequest
+    v1::SampleRequest& request =
+        *google::protobuf::Arena::CreateMessage<v1::SampleRequest>(&arena);
     v1::SampleResponse response;
     grpc::ByteBuffer response_bytes;  // what is written
     DecodedRequest decoded;

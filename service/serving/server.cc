@@ -454,8 +454,9 @@ Server::Server(const ServerOptions& options,
 
   // The largest legal request: B = max rows of fp32 hidden states, plus per
   // row an allowed-token bitmask (ceil(V/32) int32 words, up to 10 bytes each
-  // as varints) and a little framing; plus 4 MiB for token lists (bias,
-  // banned, prompt, counts), which have no fixed bound.
+  // as varints, 4 as allowed_token_bitmask_bytes) and a little framing; plus 4
+  // MiB for token lists (bias, banned, prompt, counts), which have no fixed
+  // bound.
   const int64_t rows = batcher_->max_batch_rows();
   const int64_t per_row =
       info.hidden_size * 4 + ((info.vocab_size + 31) / 32) * 10 + 256;

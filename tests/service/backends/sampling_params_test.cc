@@ -43,6 +43,18 @@ TEST(ValidateSamplingParamsTest, DefaultsAndEdgesPass) {
   EXPECT_TRUE(Wire(p).ok()) << Wire(p);
   p.top_k = 1000;  // above V: every token
   EXPECT_TRUE(Wire(p).ok());
+  // One allowed token left: 97 of {5, 97}, the other banned twice.
+  p.allowed_bitmask = {1u << 5, 0, 0, 1u << 1};
+  p.banned_token_ids = {5, 5};
+  EXPECT_TRUE(Wire(p).ok()) << Wire(p);
+  // Every id but one banned, no bitmask.
+  p.allowed_bitmask.clear();
+  p.banned_token_ids.clear();
+  for (int32_t i = 0; i < kVocab; ++i) {
+    if (i != 42) p.banned_token_ids.push_back(i);
+  }
+  p.banned_token_ids.push_back(0);
+  EXPECT_TRUE(Wire(p).ok()) << Wire(p);
 }
 
 TEST(ValidateSamplingParamsTest, EachRuleNamesItsFieldAndRange) {
@@ -81,6 +93,11 @@ TEST(ValidateSamplingParamsTest, EachRuleNamesItsFieldAndRange) {
       {"banned_token_ids: must leave at least one token",
        [](SamplingParams* p) {
          for (int32_t i = 0; i < kVocab; ++i) p->banned_token_ids.push_back(i);
+       }},
+      {"allowed_token_bitmask: must leave at least one token",
+       [](SamplingParams* p) {
+         p->allowed_bitmask = {1u << 5, 0, 0, (1u << 1) | 0xfffffff0u};
+         p->banned_token_ids = {97, 5, 5};  // 97 = 32 * 3 + 1
        }},
       {"repetition_penalty: must be finite and > 0",
        [](SamplingParams* p) { p->repetition_penalty = 0.0f; }},

@@ -3,9 +3,12 @@
 // are drawn and returned, and results encode as [B, n].
 #include "service/serving/request_codec.h"
 
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "common/dtype_convert.h"
@@ -109,6 +112,35 @@ TEST(RequestCodecTest, RowParamsApplyPerRow) {
   ASSERT_TRUE(DecodeSampleRequest(request, Config(), &decoded).ok());
   EXPECT_TRUE(decoded.specs[0].params->greedy());
   EXPECT_EQ(decoded.specs[1].params->temperature, 2.0f);
+}
+
+// allowed_token_bitmask_bytes carries the words of allowed_token_bitmask
+// little-endian: both forms decode to the same bitmask, bit 31 included.
+TEST(RequestCodecTest, BitmaskBytesDecodeToTheWordsOfTheRepeatedField) {
+  const int64_t words = (Config().vocab_size + 31) / 32;
+  std::vector<uint32_t> mask(static_cast<size_t>(words));
+  for (size_t w = 0; w < mask.size(); ++w) {
+    mask[w] = 0x80000001u ^ static_cast<uint32_t>(w * 0x9e3779b9u);
+  }
+  v1::SampleRequest as_words = testing::MakeRequest(2, kHidden, 1);
+  v1::SampleRequest as_bytes = as_words;
+  for (uint32_t w : mask) {
+    as_words.mutable_params()->add_allowed_token_bitmask(
+        static_cast<int32_t>(w));
+  }
+  std::string bytes(4 * mask.size(), '\0');
+  for (size_t w = 0; w < mask.size(); ++w) {
+    for (int b = 0; b < 4; ++b)
+      bytes[4 * w + b] = static_cast<char>(mask[w] >> (8 * b));
+  }
+  as_bytes.mutable_params()->set_allowed_token_bitmask_bytes(bytes);
+  DecodedRequest from_words;
+  DecodedRequest from_bytes;
+  ASSERT_TRUE(DecodeSampleRequest(as_words, Config(), &from_words).ok());
+  ASSERT_TRUE(DecodeSampleRequest(as_bytes, Config(), &from_bytes).ok());
+  EXPECT_EQ(from_words.specs[0].params->allowed_bitmask, mask);
+  EXPECT_EQ(from_bytes.specs[0].params->allowed_bitmask, mask);
+  EXPECT_EQ(from_bytes.specs[1].params->allowed_bitmask, mask);
 }
 
 TEST(RequestCodecTest, Bf16AndFp16HiddenStatesAreAccepted) {

@@ -379,6 +379,31 @@ std::vector<MalformedCase> MalformedCases(int64_t vocab, int64_t hidden,
           r->mutable_params()->add_allowed_token_bitmask(0);
         }
       });
+  const std::string words_as_bytes(static_cast<size_t>(4 * ((vocab + 31) / 32)),
+                                   '\xff');
+  add("bitmask_bytes_wrong_size", "params.allowed_token_bitmask_bytes",
+      [words_as_bytes](v1::SampleRequest* r) {
+        r->mutable_params()->set_allowed_token_bitmask_bytes(words_as_bytes +
+                                                             "\xff");
+      });
+  add("bitmask_bytes_allows_nothing", "params.allowed_token_bitmask_bytes",
+      [words_as_bytes](v1::SampleRequest* r) {
+        r->mutable_params()->set_allowed_token_bitmask_bytes(
+            std::string(words_as_bytes.size(), '\0'));
+      });
+  add("bitmask_in_both_fields", "params.allowed_token_bitmask_bytes",
+      [vocab, words_as_bytes](v1::SampleRequest* r) {
+        for (int64_t w = 0; w < (vocab + 31) / 32; ++w) {
+          r->mutable_params()->add_allowed_token_bitmask(-1);
+        }
+        r->mutable_params()->set_allowed_token_bitmask_bytes(words_as_bytes);
+      });
+  add("row_bitmask_bytes_short", "row_params[1].allowed_token_bitmask_bytes",
+      [words_as_bytes](v1::SampleRequest* r) {
+        r->add_row_params();
+        r->add_row_params()->set_allowed_token_bitmask_bytes(
+            words_as_bytes.substr(1));
+      });
   add("n_zero", "params.n",
       [](v1::SampleRequest* r) { r->mutable_params()->set_n(0); });
   add("n_too_large", "params.n",

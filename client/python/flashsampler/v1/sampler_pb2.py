@@ -13,7 +13,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66lashsampler/v1/sampler.proto\x12\x0f\x66lashsampler.v1\"\x85\x01\n\x06Tensor\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.flashsampler.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x37\n\rshared_memory\x18\x04 \x01(\x0b\x32 .flashsampler.v1.SharedMemoryRef\"1\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"+\n\tTokenBias\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"-\n\nTokenCount\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"\xc3\x01\n\x0eLogprobOptions\x12\x17\n\x0fsampled_logprob\x18\x01 \x01(\x08\x12\x15\n\rrow_logsumexp\x18\x02 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x03 \x01(\x05\x12\x34\n\x05space\x18\x04 \x01(\x0e\x32%.flashsampler.v1.LogprobOptions.Space\x12\x14\n\x0csampled_rank\x18\x05 \x01(\x08\"\x1f\n\x05Space\x12\x07\n\x03RAW\x10\x00\x12\r\n\tPROCESSED\x10\x01\"\xe9\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12.\n\nlogit_bias\x18\x05 \x03(\x0b\x32\x1a.flashsampler.v1.TokenBias\x12\x18\n\x10\x62\x61nned_token_ids\x18\x06 \x03(\x05\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x07 \x03(\x05\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\x05\x12\x38\n\x13output_token_counts\x18\x0c \x03(\x0b\x32\x1b.flashsampler.v1.TokenCount\x12\x0e\n\x01n\x18\r \x01(\x05H\x03\x88\x01\x01\x12\x31\n\x08logprobs\x18\x0e \x01(\x0b\x32\x1f.flashsampler.v1.LogprobOptionsB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x04\n\x02_n\"\xd7\x01\n\rSampleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\rhidden_states\x18\x02 \x01(\x0b\x32\x17.flashsampler.v1.Tensor\x12/\n\x06params\x18\x03 \x01(\x0b\x32\x1f.flashsampler.v1.SamplingParams\x12\x33\n\nrow_params\x18\x04 \x03(\x0b\x32\x1f.flashsampler.v1.SamplingParams\x12\r\n\x05seeds\x18\x05 \x03(\x04\x12\r\n\x05steps\x18\x06 \x03(\x04\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"L\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x65xecute_seconds\x18\x02 \x01(\x01\x12\x12\n\nbatch_rows\x18\x03 \x01(\x05\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9d\x02\n\x0eSampleResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\r\n\x05seeds\x18\x04 \x03(\x04\x12\x18\n\x10sampled_logprobs\x18\x05 \x03(\x02\x12\x15\n\rrow_logsumexp\x18\x06 \x03(\x02\x12\x32\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1c.flashsampler.v1.TopLogprobs\x12\'\n\x06timing\x18\x08 \x01(\x0b\x32\x17.flashsampler.v1.Timing\x12%\n\x05\x65rror\x18\t \x01(\x0b\x32\x16.flashsampler.v1.Error\x12\x15\n\rsampled_ranks\x18\n \x03(\x05\"K\n\x1bRegisterSharedMemoryRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"\x1e\n\x1cRegisterSharedMemoryResponse\"-\n\x1dUnregisterSharedMemoryRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x1eUnregisterSharedMemoryResponse\"\x15\n\x13GetModelInfoRequest\"R\n\nShardRange\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x13\n\x0bvocab_begin\x18\x03 \x01(\x03\x12\x11\n\tvocab_end\x18\x04 \x01(\x03\"\xf9\x02\n\tModelInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x03\x12,\n\x0cweight_dtype\x18\x03 \x01(\x0e\x32\x16.flashsampler.v1.DType\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\ttp_degree\x18\x05 \x01(\x05\x12+\n\x06shards\x18\x06 \x03(\x0b\x32\x1b.flashsampler.v1.ShardRange\x12\x16\n\x0emax_batch_rows\x18\x07 \x01(\x05\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x16\n\x0eweights_source\x18\t \x01(\t\x12\x1a\n\x12supported_features\x18\n \x03(\t\x12\x16\n\x0eweights_tensor\x18\x0b \x01(\t\x12\x16\n\x0eweights_sha256\x18\x0c \x01(\t\x12\x14\n\x0cgit_revision\x18\r \x01(\t\x12!\n\x19max_shared_memory_regions\x18\x0e \x01(\x05*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03\x32\xeb\x03\n\x07Sampler\x12I\n\x06Sample\x12\x1e.flashsampler.v1.SampleRequest\x1a\x1f.flashsampler.v1.SampleResponse\x12S\n\x0cSampleStream\x12\x1e.flashsampler.v1.SampleRequest\x1a\x1f.flashsampler.v1.SampleResponse(\x01\x30\x01\x12P\n\x0cGetModelInfo\x12$.flashsampler.v1.GetModelInfoRequest\x1a\x1a.flashsampler.v1.ModelInfo\x12s\n\x14RegisterSharedMemory\x12,.flashsampler.v1.RegisterSharedMemoryRequest\x1a-.flashsampler.v1.RegisterSharedMemoryResponse\x12y\n\x16UnregisterSharedMemory\x12..flashsampler.v1.UnregisterSharedMemoryRequest\x1a/.flashsampler.v1.UnregisterSharedMemoryResponseB\x03\xf8\x01\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66lashsampler/v1/sampler.proto\x12\x0f\x66lashsampler.v1\"\x85\x01\n\x06Tensor\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.flashsampler.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x37\n\rshared_memory\x18\x04 \x01(\x0b\x32 .flashsampler.v1.SharedMemoryRef\"1\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"+\n\tTokenBias\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"-\n\nTokenCount\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\"\xc3\x01\n\x0eLogprobOptions\x12\x17\n\x0fsampled_logprob\x18\x01 \x01(\x08\x12\x15\n\rrow_logsumexp\x18\x02 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x03 \x01(\x05\x12\x34\n\x05space\x18\x04 \x01(\x0e\x32%.flashsampler.v1.LogprobOptions.Space\x12\x14\n\x0csampled_rank\x18\x05 \x01(\x08\"\x1f\n\x05Space\x12\x07\n\x03RAW\x10\x00\x12\r\n\tPROCESSED\x10\x01\"\x8e\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12.\n\nlogit_bias\x18\x05 \x03(\x0b\x32\x1a.flashsampler.v1.TokenBias\x12\x18\n\x10\x62\x61nned_token_ids\x18\x06 \x03(\x05\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x07 \x03(\x05\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\x05\x12\x38\n\x13output_token_counts\x18\x0c \x03(\x0b\x32\x1b.flashsampler.v1.TokenCount\x12\x0e\n\x01n\x18\r \x01(\x05H\x03\x88\x01\x01\x12\x31\n\x08logprobs\x18\x0e \x01(\x0b\x32\x1f.flashsampler.v1.LogprobOptions\x12#\n\x1b\x61llowed_token_bitmask_bytes\x18\x0f \x01(\x0c\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x04\n\x02_n\"\xd7\x01\n\rSampleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\rhidden_states\x18\x02 \x01(\x0b\x32\x17.flashsampler.v1.Tensor\x12/\n\x06params\x18\x03 \x01(\x0b\x32\x1f.flashsampler.v1.SamplingParams\x12\x33\n\nrow_params\x18\x04 \x03(\x0b\x32\x1f.flashsampler.v1.SamplingParams\x12\r\n\x05seeds\x18\x05 \x03(\x04\x12\r\n\x05steps\x18\x06 \x03(\x04\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"L\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x65xecute_seconds\x18\x02 \x01(\x01\x12\x12\n\nbatch_rows\x18\x03 \x01(\x05\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9d\x02\n\x0eSampleResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\r\n\x05seeds\x18\x04 \x03(\x04\x12\x18\n\x10sampled_logprobs\x18\x05 \x03(\x02\x12\x15\n\rrow_logsumexp\x18\x06 \x03(\x02\x12\x32\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1c.flashsampler.v1.TopLogprobs\x12\'\n\x06timing\x18\x08 \x01(\x0b\x32\x17.flashsampler.v1.Timing\x12%\n\x05\x65rror\x18\t \x01(\x0b\x32\x16.flashsampler.v1.Error\x12\x15\n\rsampled_ranks\x18\n \x03(\x05\"K\n\x1bRegisterSharedMemoryRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"\x1e\n\x1cRegisterSharedMemoryResponse\"-\n\x1dUnregisterSharedMemoryRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x1eUnregisterSharedMemoryResponse\"\x15\n\x13GetModelInfoRequest\"R\n\nShardRange\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x13\n\x0bvocab_begin\x18\x03 \x01(\x03\x12\x11\n\tvocab_end\x18\x04 \x01(\x03\"\xf9\x02\n\tModelInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x03\x12,\n\x0cweight_dtype\x18\x03 \x01(\x0e\x32\x16.flashsampler.v1.DType\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\ttp_degree\x18\x05 \x01(\x05\x12+\n\x06shards\x18\x06 \x03(\x0b\x32\x1b.flashsampler.v1.ShardRange\x12\x16\n\x0emax_batch_rows\x18\x07 \x01(\x05\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x16\n\x0eweights_source\x18\t \x01(\t\x12\x1a\n\x12supported_features\x18\n \x03(\t\x12\x16\n\x0eweights_tensor\x18\x0b \x01(\t\x12\x16\n\x0eweights_sha256\x18\x0c \x01(\t\x12\x14\n\x0cgit_revision\x18\r \x01(\t\x12!\n\x19max_shared_memory_regions\x18\x0e \x01(\x05*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03\x32\xeb\x03\n\x07Sampler\x12I\n\x06Sample\x12\x1e.flashsampler.v1.SampleRequest\x1a\x1f.flashsampler.v1.SampleResponse\x12S\n\x0cSampleStream\x12\x1e.flashsampler.v1.SampleRequest\x1a\x1f.flashsampler.v1.SampleResponse(\x01\x30\x01\x12P\n\x0cGetModelInfo\x12$.flashsampler.v1.GetModelInfoRequest\x1a\x1a.flashsampler.v1.ModelInfo\x12s\n\x14RegisterSharedMemory\x12,.flashsampler.v1.RegisterSharedMemoryRequest\x1a-.flashsampler.v1.RegisterSharedMemoryResponse\x12y\n\x16UnregisterSharedMemory\x12..flashsampler.v1.UnregisterSharedMemoryRequest\x1a/.flashsampler.v1.UnregisterSharedMemoryResponseB\x03\xf8\x01\x01\x62\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flashsampler.v1.sampler_pb2', globals())
@@ -21,8 +21,8 @@ if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
   DESCRIPTOR._serialized_options = b'\370\001\001'
-  _DTYPE._serialized_start=2372
-  _DTYPE._serialized_end=2450
+  _DTYPE._serialized_start=2409
+  _DTYPE._serialized_end=2487
   _TENSOR._serialized_start=51
   _TENSOR._serialized_end=184
   _SHAREDMEMORYREF._serialized_start=186
@@ -36,31 +36,31 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _LOGPROBOPTIONS_SPACE._serialized_start=494
   _LOGPROBOPTIONS_SPACE._serialized_end=525
   _SAMPLINGPARAMS._serialized_start=528
-  _SAMPLINGPARAMS._serialized_end=1017
-  _SAMPLEREQUEST._serialized_start=1020
-  _SAMPLEREQUEST._serialized_end=1235
-  _TOPLOGPROBS._serialized_start=1237
-  _TOPLOGPROBS._serialized_end=1287
-  _TIMING._serialized_start=1289
-  _TIMING._serialized_end=1365
-  _ERROR._serialized_start=1367
-  _ERROR._serialized_end=1405
-  _SAMPLERESPONSE._serialized_start=1408
-  _SAMPLERESPONSE._serialized_end=1693
-  _REGISTERSHAREDMEMORYREQUEST._serialized_start=1695
-  _REGISTERSHAREDMEMORYREQUEST._serialized_end=1770
-  _REGISTERSHAREDMEMORYRESPONSE._serialized_start=1772
-  _REGISTERSHAREDMEMORYRESPONSE._serialized_end=1802
-  _UNREGISTERSHAREDMEMORYREQUEST._serialized_start=1804
-  _UNREGISTERSHAREDMEMORYREQUEST._serialized_end=1849
-  _UNREGISTERSHAREDMEMORYRESPONSE._serialized_start=1851
-  _UNREGISTERSHAREDMEMORYRESPONSE._serialized_end=1883
-  _GETMODELINFOREQUEST._serialized_start=1885
-  _GETMODELINFOREQUEST._serialized_end=1906
-  _SHARDRANGE._serialized_start=1908
-  _SHARDRANGE._serialized_end=1990
-  _MODELINFO._serialized_start=1993
-  _MODELINFO._serialized_end=2370
-  _SAMPLER._serialized_start=2453
-  _SAMPLER._serialized_end=2944
+  _SAMPLINGPARAMS._serialized_end=1054
+  _SAMPLEREQUEST._serialized_start=1057
+  _SAMPLEREQUEST._serialized_end=1272
+  _TOPLOGPROBS._serialized_start=1274
+  _TOPLOGPROBS._serialized_end=1324
+  _TIMING._serialized_start=1326
+  _TIMING._serialized_end=1402
+  _ERROR._serialized_start=1404
+  _ERROR._serialized_end=1442
+  _SAMPLERESPONSE._serialized_start=1445
+  _SAMPLERESPONSE._serialized_end=1730
+  _REGISTERSHAREDMEMORYREQUEST._serialized_start=1732
+  _REGISTERSHAREDMEMORYREQUEST._serialized_end=1807
+  _REGISTERSHAREDMEMORYRESPONSE._serialized_start=1809
+  _REGISTERSHAREDMEMORYRESPONSE._serialized_end=1839
+  _UNREGISTERSHAREDMEMORYREQUEST._serialized_start=1841
+  _UNREGISTERSHAREDMEMORYREQUEST._serialized_end=1886
+  _UNREGISTERSHAREDMEMORYRESPONSE._serialized_start=1888
+  _UNREGISTERSHAREDMEMORYRESPONSE._serialized_end=1920
+  _GETMODELINFOREQUEST._serialized_start=1922
+  _GETMODELINFOREQUEST._serialized_end=1943
+  _SHARDRANGE._serialized_start=1945
+  _SHARDRANGE._serialized_end=2027
+  _MODELINFO._serialized_start=2030
+  _MODELINFO._serialized_end=2407
+  _SAMPLER._serialized_start=2490
+  _SAMPLER._serialized_end=2981
 # @@protoc_insertion_point(module_scope)

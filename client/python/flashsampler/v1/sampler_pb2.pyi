@@ -127,7 +127,8 @@ class SampleResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., n: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., seeds: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., row_logsumexp: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ["allowed_token_bitmask", "banned_token_ids", "frequency_penalty", "logit_bias", "logprobs", "min_p", "n", "output_token_counts", "presence_penalty", "prompt_token_ids", "repetition_penalty", "temperature", "top_k", "top_p"]
+    __slots__ = ["allowed_token_bitmask", "allowed_token_bitmask_bytes", "banned_token_ids", "frequency_penalty", "logit_bias", "logprobs", "min_p", "n", "output_token_counts", "presence_penalty", "prompt_token_ids", "repetition_penalty", "temperature", "top_k", "top_p"]
+    ALLOWED_TOKEN_BITMASK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +144,7 @@ class SamplingParams(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     allowed_token_bitmask: _containers.RepeatedScalarFieldContainer[int]
+    allowed_token_bitmask_bytes: bytes
     banned_token_ids: _containers.RepeatedScalarFieldContainer[int]
     frequency_penalty: float
     logit_bias: _containers.RepeatedCompositeFieldContainer[TokenBias]
@@ -156,7 +158,7 @@ class SamplingParams(_message.Message):
     temperature: float
     top_k: int
     top_p: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ..., banned_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_counts: _Optional[_Iterable[_Union[TokenCount, _Mapping]]] = ..., n: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ..., banned_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_counts: _Optional[_Iterable[_Union[TokenCount, _Mapping]]] = ..., n: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobOptions, _Mapping]] = ..., allowed_token_bitmask_bytes: _Optional[bytes] = ...) -> None: ...
 
 class ShardRange(_message.Message):
     __slots__ = ["device", "rank", "vocab_begin", "vocab_end"]
