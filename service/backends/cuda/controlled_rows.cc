@@ -135,6 +135,22 @@ ControlledRowInput ControlledInputFrom(const RowSpec& spec,
   return in;
 }
 
+void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
+                        int first, int end, const SamplingParams& ride_along,
+                        ControlledRowLists* lists, ControlledPlan* plan) {
+  const SamplingParams* previous = nullptr;
+  for (int i = first; i < end; ++i) {
+    RowSpec spec = specs[i];
+    if (!valid[i]) spec.params = &ride_along;
+    if (previous != nullptr && spec.params == previous) {
+      plan->RepeatLastRow(spec.seed, spec.step);
+      continue;
+    }
+    previous = spec.params;
+    plan->AddRow(ControlledInputFrom(spec, lists));
+  }
+}
+
 size_t ControlledRowBytesBound(const SamplingParams& p) {
   return sizeof(ControlledRow) + kBytesPerListEntry * ListEntries(p) +
          sizeof(uint32_t) * p.allowed_bitmask.size();

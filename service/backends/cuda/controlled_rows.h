@@ -100,6 +100,15 @@ struct ControlledRowLists {
 ControlledRowInput ControlledInputFrom(const RowSpec& spec,
                                        ControlledRowLists* lists);
 
+// Adds rows [first, end) of `specs` to `plan` in order. A refused row
+// (valid[i] == 0) keeps its place with `ride_along`'s controls (its outputs
+// are ignored); a row whose params are the row before's (a request's
+// broadcast params) repeats that row's packed controls
+// (ControlledPlan::RepeatLastRow) instead of packing them again.
+void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
+                        int first, int end, const SamplingParams& ride_along,
+                        ControlledRowLists* lists, ControlledPlan* plan);
+
 // Upper bound of the bytes a row adds to ControlledPlan::bytes() (its
 // ControlledRow, 13 bytes per list entry before merging, its bitmask),
 // without the layout's padding.

@@ -330,6 +330,102 @@ TEST(ControlledRowsTest, ConversionPacksWhatTheControlledSamplerTestsPack) {
   }
 }
 
+// PackControlledRows: rows whose params are the row before's (a request's
+// broadcast params) share that row's packed entries and bitmask, and every
+// row reads what packing each row afresh gives it: the same controls and
+// noise key, the same entries at its range, the same bitmask words at its
+// offset. A refused row rides along with the given params.
+TEST(ControlledRowsTest, RowsOfOneParamsShareTheirPackedControls) {
+  const size_t words = (kVocab + 31) / 32;
+  SamplingParams broadcast;
+  broadcast.temperature = 0.8f;
+  broadcast.top_k = 5;
+  broadcast.allowed_bitmask.assign(words, 0x55555555u);
+  broadcast.logit_bias = {{7, 1.5f}, {3, -2.0f}, {7, 0.25f}};
+  broadcast.banned_token_ids = {9};
+  broadcast.repetition_penalty = 1.2f;
+  broadcast.prompt_token_ids = {3, 11};
+  broadcast.output_token_counts = {{11, 2}, {40, 1}};
+  SamplingParams equal = broadcast;  // equal values, another object
+  SamplingParams other;
+  other.allowed_bitmask.assign(words, 0xf0f0f0f0u);
+  other.logit_bias = {{1, 3.0f}};
+  SamplingParams ride_along;
+  ride_along.top_k = 1;
+  const std::vector<const SamplingParams*> params = {
+      &broadcast, &broadcast, &broadcast, &other, &broadcast,
+      &equal,     &equal,     &other,     &other, &broadcast};
+  const std::vector<char> valid = {1, 1, 1, 1, 1, 1, 0, 0, 1, 1};
+  std::vector<RowSpec> specs(params.size());
+  for (size_t r = 0; r < specs.size(); ++r) {
+    specs[r].params = params[r];
+    specs[r].seed = 1000 + r;
+    specs[r].step = 7 * r;
+  }
+  ControlledRowLists lists;
+  ControlledPlan shared;
+  PackControlledRows(specs.data(), valid, 0, static_cast<int>(specs.size()),
+                     ride_along, &lists, &shared);
+  ControlledPlan fresh;
+  for (size_t r = 0; r < specs.size(); ++r) {
+    RowSpec spec = specs[r];
+    if (!valid[r]) spec.params = &ride_along;
+    fresh.AddRow(ControlledInputFrom(spec, &lists));
+  }
+  ASSERT_EQ(shared.rows(), fresh.rows());
+  // Packed once each: broadcast's run of three, other, broadcast, equal,
+  // the two ride-alongs (no bitmask), other, broadcast.
+  EXPECT_EQ(shared.bitmask().size(), 6 * words);
+  EXPECT_EQ(fresh.bitmask().size(), 8 * words);
+  const std::vector<uint32_t> shared_words = shared.bitmask();
+  const std::vector<uint32_t> fresh_words = fresh.bitmask();
+  for (int r = 0; r < shared.rows(); ++r) {
+    const ControlledRow& a = shared.row_controls()[r];
+    const ControlledRow& b = fresh.row_controls()[r];
+    EXPECT_TRUE(a.temperature == b.temperature && a.top_k == b.top_k &&
+                a.top_p == b.top_p && a.min_p == b.min_p &&
+                a.log_min_p == b.log_min_p &&
+                a.repetition_penalty == b.repetition_penalty &&
+                a.seed == b.seed && a.step == b.step && a.n == b.n &&
+                a.top_n == b.top_n && a.logprob_flags == b.logprob_flags)
+        << "row " << r;
+    ASSERT_EQ(a.special_end - a.special_begin, b.special_end - b.special_begin)
+        << "row " << r;
+    for (int64_t k = 0; k < a.special_end - a.special_begin; ++k) {
+      const size_t i = static_cast<size_t>(a.special_begin + k);
+      const size_t j = static_cast<size_t>(b.special_begin + k);
+      EXPECT_EQ(shared.special_ids()[i], fresh.special_ids()[j]) << r;
+      EXPECT_EQ(shared.special_flags()[i], fresh.special_flags()[j]) << r;
+      EXPECT_EQ(shared.special_bias()[i], fresh.special_bias()[j]) << r;
+      EXPECT_EQ(shared.special_count()[i], fresh.special_count()[j]) << r;
+    }
+    ASSERT_EQ(a.bitmask_offset >= 0, b.bitmask_offset >= 0) << "row " << r;
+    if (a.bitmask_offset < 0) continue;
+    EXPECT_TRUE(std::equal(shared_words.begin() + a.bitmask_offset,
+                           shared_words.begin() + a.bitmask_offset + words,
+                           fresh_words.begin() + b.bitmask_offset))
+        << "row " << r;
+  }
+  // The run's rows read the first row's packed entries.
+  EXPECT_EQ(shared.row_controls()[2].special_begin,
+            shared.row_controls()[0].special_begin);
+  EXPECT_EQ(shared.row_controls()[2].bitmask_offset, 0);
+  const std::vector<unsigned char> bytes = shared.bytes();
+  std::vector<unsigned char> written(shared.byte_size(), 0xee);
+  shared.WriteBytes(written.data());
+  EXPECT_EQ(written, bytes);
+  // The rows and entries alone: bytes() up to the bitmasks, nothing past.
+  const size_t prefix = shared.rows_and_entries_byte_size();
+  ASSERT_LT(prefix, bytes.size());
+  std::vector<unsigned char> rows_and_entries(bytes.size(), 0xee);
+  shared.WriteRowsAndEntries(rows_and_entries.data());
+  EXPECT_TRUE(std::equal(bytes.begin(), bytes.begin() + prefix,
+                         rows_and_entries.begin()));
+  EXPECT_TRUE(std::all_of(rows_and_entries.begin() + prefix,
+                          rows_and_entries.end(),
+                          [](unsigned char b) { return b == 0xee; }));
+}
+
 TEST(ControlledRowsTest, BatchesOverTheBudgetSplitIntoChunksThatFit) {
   const size_t budget = kControlledPlanBudgetBytes;
   const size_t limit = budget - kControlledPlanLayoutSlack;
