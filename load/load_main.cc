@@ -50,6 +50,11 @@ ABSL_FLAG(int, rows, 1, "rows (hidden states) per request");
 ABSL_FLAG(std::string, hidden_file, "",
           "hidden states (.npy or raw fp32 with --rows rows); default random");
 ABSL_FLAG(std::string, dtype, "bf16", "wire dtype: fp32, bf16 or fp16");
+ABSL_FLAG(float, hidden_scale, 1.0f,
+          "std of the random hidden states; on synthetic weights 1 gives "
+          "flat rows (softmax entropy about 8.8 nats at V = 151936) and 2.5 "
+          "about 2.4, the spread of a language model's next-token "
+          "distribution");
 ABSL_FLAG(bool, shared_memory, false,
           "send the hidden states by reference: written once to a "
           "shared-memory region registered with the daemon, which must run "
@@ -65,6 +70,22 @@ ABSL_FLAG(int, logprobs, 0,
 ABSL_FLAG(bool, allow_even_ids, false,
           "an allowed-token bitmask on every row allowing the even ids, half "
           "of the vocabulary (19 KB a row at V = 151936)");
+ABSL_FLAG(std::string, bitmask_field, "bytes",
+          "the wire field of --allow_even_ids: bytes "
+          "(allowed_token_bitmask_bytes) or words (allowed_token_bitmask, "
+          "varints)");
+ABSL_FLAG(int, logit_bias, 0,
+          "logit_bias entries on every row: N even ids spread over the "
+          "vocabulary, biases from +0.5 down in steps of 1/64");
+ABSL_FLAG(int, penalized_ids, 0,
+          "a penalty history on every row: N prompt ids and N generated ids "
+          "(counts 1 to 4), all even, with repetition 1.1, presence 0.5 and "
+          "frequency 0.3 penalties");
+ABSL_FLAG(bool, row_params, false,
+          "send the controls once per row (row_params), as a batch of "
+          "sequences with their own grammars does, instead of once for "
+          "every row (params); with --allow_even_ids the daemon then packs "
+          "and copies a bitmask per row");
 ABSL_FLAG(uint64_t, seed, 1,
           "seed of the random hidden states and of the arrival process");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(5), "deadline per call");
@@ -154,9 +175,12 @@ int Main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError("--dtype: fp32, bf16 or fp16"));
   }
   const std::string hidden_file = absl::GetFlag(FLAGS_hidden_file);
-  // The daemon's shape, where random hidden states or the bitmask need it.
+  // The daemon's shape, where random hidden states or the controls' ids
+  // need it.
   absl::StatusOr<v1::ModelInfo> info;
-  if (hidden_file.empty() || absl::GetFlag(FLAGS_allow_even_ids)) {
+  if (hidden_file.empty() || absl::GetFlag(FLAGS_allow_even_ids) ||
+      absl::GetFlag(FLAGS_logit_bias) > 0 ||
+      absl::GetFlag(FLAGS_penalized_ids) > 0) {
     info = (*client)->GetModelInfo();
     if (!info.ok()) return Fail(info.status());
   }
@@ -167,7 +191,8 @@ int Main(int argc, char** argv) {
     hidden = ConvertHiddenStates(*loaded, dtype);
   } else {
     hidden = RandomHiddenStates(absl::GetFlag(FLAGS_rows), info->hidden_size(),
-                                absl::GetFlag(FLAGS_seed), dtype);
+                                absl::GetFlag(FLAGS_seed), dtype,
+                                absl::GetFlag(FLAGS_hidden_scale));
   }
   RequestFields fields;  // no seeds: the server draws fresh ones per call
   fields.params.set_temperature(absl::GetFlag(FLAGS_temperature));
@@ -180,14 +205,50 @@ int Main(int argc, char** argv) {
     fields.params.mutable_logprobs()->set_sampled_logprob(true);
     fields.params.mutable_logprobs()->set_top_logprobs(top);
   }
+  // Ids spread over the vocabulary by large primes, kept even so that
+  // --allow_even_ids allows them.
+  auto spread_id = [&info](int i, int64_t prime) {
+    return static_cast<int32_t>((2 * i * prime) % info->vocab_size()) & ~1;
+  };
+  for (int i = 0; i < absl::GetFlag(FLAGS_logit_bias); ++i) {
+    v1::TokenBias* bias = fields.params.add_logit_bias();
+    bias->set_token_id(spread_id(i, 7919));
+    bias->set_bias(0.5f - 0.015625f * static_cast<float>(i));
+  }
+  if (const int ids = absl::GetFlag(FLAGS_penalized_ids); ids > 0) {
+    fields.params.set_repetition_penalty(1.1f);
+    fields.params.set_presence_penalty(0.5f);
+    fields.params.set_frequency_penalty(0.3f);
+    for (int i = 0; i < ids; ++i) {
+      fields.params.add_prompt_token_ids(spread_id(i, 104729));
+      v1::TokenCount* count = fields.params.add_output_token_counts();
+      count->set_token_id(spread_id(i, 1299709));
+      count->set_count(1 + i % 4);
+    }
+  }
   if (absl::GetFlag(FLAGS_allow_even_ids)) {
     // Bit (t & 31) of word t >> 5 allows token t.
-    fields.params.mutable_allowed_token_bitmask()->Resize(
-        static_cast<int>((info->vocab_size() + 31) / 32),
-        static_cast<int32_t>(0x55555555u));
+    const int words = static_cast<int>((info->vocab_size() + 31) / 32);
+    const std::string& field = absl::GetFlag(FLAGS_bitmask_field);
+    if (field == "bytes") {
+      fields.params.set_allowed_token_bitmask_bytes(
+          std::string(4 * static_cast<size_t>(words), '\x55'));
+    } else if (field == "words") {
+      fields.params.mutable_allowed_token_bitmask()->Resize(
+          words, static_cast<int32_t>(0x55555555u));
+    } else {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--bitmask_field: bytes or words, got \"", field, "\"")));
+    }
   }
   auto request = MakeSampleRequest(hidden, fields);
   if (!request.ok()) return Fail(request.status());
+  if (absl::GetFlag(FLAGS_row_params)) {
+    for (int64_t r = 0; r < request->hidden_states().shape(0); ++r) {
+      *request->add_row_params() = request->params();
+    }
+    request->clear_params();
+  }
 
   std::unique_ptr<SharedMemoryRegion> region;
   const std::string region_name = absl::StrCat("fs_load_", getpid());

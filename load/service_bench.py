@@ -14,9 +14,17 @@ time at the same batch sizes when fs_bench results are given.
   # the same with sampling controls on every request:
   load/service_bench.py ... --grid callers --load_arg=--top_k=50 \
       --load_arg=--top_p=0.9 --load_arg=--min_p=0.05
-  # requests of 1 to 256 rows with a bitmask and raw logprobs on each row:
+  # requests of 1 to 256 rows with a bitmask and raw logprobs on each row
+  # (--row_params: sent per row, so that each row's bitmask is its own):
   load/service_bench.py ... --grid rows --load_arg=--allow_even_ids \
-      --load_arg=--logprobs=5
+      --load_arg=--logprobs=5 --load_arg=--row_params
+  # every control at once, on rows as peaked as a language model's (fs_load's
+  # random hidden states are flat on synthetic weights unless scaled):
+  load/service_bench.py ... --grid rows --load_arg=--hidden_scale=2.5 \
+      --load_arg=--temperature=0.8 --load_arg=--top_k=50 \
+      --load_arg=--top_p=0.9 --load_arg=--min_p=0.05 \
+      --load_arg=--logit_bias=64 --load_arg=--penalized_ids=64 \
+      --load_arg=--allow_even_ids --load_arg=--logprobs=5
   # over a Unix socket instead of loopback TCP (callers on the same host):
   load/service_bench.py ... --unix_socket
   # the service path alone (engine answers at once):
@@ -34,8 +42,10 @@ threads) over the point, per answered request (warm-up calls included on
 both sides); fs_load's CPU time (getrusage of the finished process, its
 start-up included) per answered request; and how busy the
 host's CPUs were over the point (all processes; near 100% the host, not
-the service, is the limit, and fs_load shares it). Exit status 1 when any
-point had errors or the daemon failed.
+the service, is the limit, and fs_load shares it); and the share of the
+batches' rows whose controls took the exact fallback
+(flashsampler_exact_fallback_rows_total). Exit status 1 when any point had
+errors or the daemon failed.
 
 Only the standard library: it runs on the GPU machines as they are.
 """
@@ -82,8 +92,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+# Rows whose controls the fast path could not certify (every reason).
+FALLBACK_ROWS = "flashsampler_exact_fallback_rows_total"
+
+
 def scrape(port):
-    """Sum and count of each histogram in HISTOGRAMS (over all labels)."""
+    """Sum and count of each histogram in HISTOGRAMS and the FALLBACK_ROWS
+    counter (each over all labels)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
                                 timeout=5) as reply:
         text = reply.read().decode()
@@ -93,6 +108,10 @@ def scrape(port):
         if match and match.group(1) in HISTOGRAMS:
             key = (match.group(1), match.group(2))
             totals[key] = totals.get(key, 0.0) + float(match.group(4))
+        match = re.match(r"^(\w+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if match and match.group(1) == FALLBACK_ROWS:
+            key = (FALLBACK_ROWS, "total")
+            totals[key] = totals.get(key, 0.0) + float(match.group(3))
     return totals
 
 
@@ -100,6 +119,16 @@ def mean_delta(before, after, name):
     count = after.get((name, "count"), 0) - before.get((name, "count"), 0)
     total = after.get((name, "sum"), 0) - before.get((name, "sum"), 0)
     return total / count if count > 0 else float("nan")
+
+
+def fallback_pct(before, after):
+    """Share of the batches' rows (warm-up included) that took the exact
+    fallback, in percent."""
+    rows = (after.get((HISTOGRAMS[2], "sum"), 0) -
+            before.get((HISTOGRAMS[2], "sum"), 0))
+    fallback = (after.get((FALLBACK_ROWS, "total"), 0) -
+                before.get((FALLBACK_ROWS, "total"), 0))
+    return 100.0 * fallback / rows if rows > 0 else float("nan")
 
 
 def process_usage(pid):
@@ -274,6 +303,7 @@ def main():
                 "execute_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[1]),
                 "encode_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[5]),
                 "batch_rows": mean_delta(before, after, HISTOGRAMS[2]),
+                "fallback_pct": fallback_pct(before, after),
                 "cpu_us": (1e6 * (usage_after[0] - usage_before[0]) / answered
                            if answered > 0 else float("nan")),
                 "switches": ((usage_after[1] - usage_before[1]) / answered
@@ -292,7 +322,7 @@ def main():
                   "encode_ms", "overhead_ms",
                   "batch_rows", "kernel_ms_at_batch", "daemon_cpu_us_per_req",
                   "switches_per_req", "load_cpu_us_per_req",
-                  "host_cpu_busy_pct"]
+                  "host_cpu_busy_pct", "fallback_rows_pct"]
         with open(table, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(header)
@@ -313,7 +343,8 @@ def main():
                           fmt(nearest(kernel, extra["batch_rows"])),
                           fmt(extra["cpu_us"], 1), fmt(extra["switches"], 2),
                           fmt(extra["load_cpu_us"], 1),
-                          fmt(extra["host_busy"], 0)]
+                          fmt(extra["host_busy"], 0),
+                          fmt(extra["fallback_pct"], 2)]
                 writer.writerow(values)
                 print("| " + " | ".join(values) + " |")
         if daemon.poll() is not None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """CI smoke run of load/service_bench.py: the CPU backend on tiny synthetic
-weights, the smoke grid, short points, every request with top_k, a bitmask
-and raw logprobs (fs_load's controls flags). Asserts that the table is
+weights, the smoke grid, short points, every request with top_k, a bitmask,
+bias entries, penalties and raw logprobs on each of its rows (fs_load's
+controls flags, as row_params). Asserts that the table is
 produced, one row per point, with no errors (timings are not asserted).
 
   service_bench_smoke.py SOURCE_DIR DAEMON FS_LOAD OUT_DIR
@@ -22,7 +23,8 @@ def main():
          "--grid", "smoke", "--duration", "1s", "--warmup", "0.2s",
          "--out", out, "--daemon_arg=--cpu_threads=1",
          "--load_arg=--top_k=50", "--load_arg=--logprobs=2",
-         "--load_arg=--allow_even_ids"],
+         "--load_arg=--allow_even_ids", "--load_arg=--logit_bias=8",
+         "--load_arg=--penalized_ids=8", "--load_arg=--row_params"],
         timeout=240)
     if done.returncode != 0:
         print(f"service_bench exited {done.returncode}", file=sys.stderr)
