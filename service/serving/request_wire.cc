@@ -1,9 +1,13 @@
 // The wire format walk of SplitHiddenStates: only the fields on the path to
 // hidden_states.data (SampleRequest field 2, Tensor field 3) are opened;
-// every other field is copied through as it came.
+// every other field is passed through as views of the bytes it came in.
 #include "service/serving/request_wire.h"
 
 #include <cstdint>
+#include <utility>
+
+#include "google/protobuf/io/zero_copy_stream_impl.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
 namespace flashsampler {
 
@@ -24,8 +28,27 @@ class Cursor {
     SkipEmpty();
   }
 
+  // Where the cursor is: a piece and an offset in it (never the end of a
+  // piece but the last).
+  struct Position {
+    size_t piece = 0;
+    size_t offset = 0;
+  };
+
   uint64_t consumed() const { return consumed_; }
   bool at_end() const { return piece_ == pieces_.size(); }
+  Position position() const { return {piece_, offset_}; }
+
+  // Appends views of the bytes from `from` up to `to` (both positions of
+  // this cursor, `from` first) to `views`.
+  void ViewsBetween(Position from, Position to,
+                    std::vector<absl::string_view>* views) const {
+    for (size_t p = from.piece; p < pieces_.size() && p <= to.piece; ++p) {
+      const size_t begin = p == from.piece ? from.offset : 0;
+      const size_t end = p == to.piece ? to.offset : pieces_[p].size();
+      if (end > begin) views->push_back(pieces_[p].substr(begin, end - begin));
+    }
+  }
 
   bool ReadByte(uint8_t* byte) {
     if (at_end()) return false;
@@ -52,6 +75,10 @@ class Cursor {
     return Take(n, [out](absl::string_view bytes) {
       out->append(bytes.data(), bytes.size());
     });
+  }
+  // Moves past the next `n` bytes.
+  bool Skip(uint64_t n) {
+    return Take(n, [](absl::string_view) {});
   }
   // Appends views of the next `n` bytes to `views`.
   bool View(uint64_t n, std::vector<absl::string_view>* views) {
@@ -117,6 +144,23 @@ bool CopyValue(Cursor& in, int wire_type, std::string* out) {
   }
 }
 
+// Moves past one field's value (its tag already read).
+bool SkipValue(Cursor& in, int wire_type) {
+  uint64_t value;
+  switch (wire_type) {
+    case kVarint:
+      return in.ReadVarint(&value, nullptr);
+    case kFixed64:
+      return in.Skip(8);
+    case kFixed32:
+      return in.Skip(4);
+    case kLengthDelimited:
+      return in.ReadVarint(&value, nullptr) && in.Skip(value);
+    default:  // groups (3, 4) and the invalid 6, 7
+      return false;
+  }
+}
+
 // One Tensor of `length` bytes: its fields other than data are appended to
 // `tensor`, the data's views replace `data`.
 bool SplitTensor(Cursor& in, uint64_t length, std::string* tensor,
@@ -143,13 +187,16 @@ bool SplitTensor(Cursor& in, uint64_t length, std::string* tensor,
 }  // namespace
 
 SplitResult SplitHiddenStates(const std::vector<absl::string_view>& pieces,
-                              std::string* rest,
-                              std::vector<absl::string_view>* data) {
-  rest->clear();
-  data->clear();
+                              SplitRequest* split) {
+  split->rest.clear();
+  split->tensors.clear();
+  split->data.clear();
   Cursor in(pieces);
-  std::string tensor;
+  // The first byte of the fields passed through since the last
+  // hidden_states field.
+  Cursor::Position run = in.position();
   while (!in.at_end()) {
+    const Cursor::Position field = in.position();
     std::string tag_bytes;
     uint64_t tag;
     if (!in.ReadVarint(&tag, &tag_bytes)) return SplitResult::kUnsupported;
@@ -157,19 +204,36 @@ SplitResult SplitHiddenStates(const std::vector<absl::string_view>& pieces,
     if ((tag >> 3) == kHiddenStatesField && wire_type == kLengthDelimited) {
       uint64_t length;
       if (!in.ReadVarint(&length, nullptr)) return SplitResult::kUnsupported;
-      tensor.clear();
-      if (!SplitTensor(in, length, &tensor, data)) {
+      std::string tensor;
+      if (!SplitTensor(in, length, &tensor, &split->data)) {
         return SplitResult::kUnsupported;
       }
-      rest->append(tag_bytes);
-      AppendVarint(tensor.size(), rest);
-      rest->append(tensor);
-    } else {
-      rest->append(tag_bytes);
-      if (!CopyValue(in, wire_type, rest)) return SplitResult::kUnsupported;
+      in.ViewsBetween(run, field, &split->rest);
+      std::string& owned = split->tensors.emplace_back(std::move(tag_bytes));
+      AppendVarint(tensor.size(), &owned);
+      owned.append(tensor);
+      split->rest.push_back(owned);
+      run = in.position();
+    } else if (!SkipValue(in, wire_type)) {
+      return SplitResult::kUnsupported;
     }
   }
+  in.ViewsBetween(run, in.position(), &split->rest);
   return SplitResult::kSplit;
+}
+
+bool ParseRest(const std::vector<absl::string_view>& rest,
+               google::protobuf::MessageLite* message) {
+  std::deque<google::protobuf::io::ArrayInputStream> streams;
+  std::vector<google::protobuf::io::ZeroCopyInputStream*> inputs;
+  inputs.reserve(rest.size());
+  for (absl::string_view view : rest) {
+    streams.emplace_back(view.data(), static_cast<int>(view.size()));
+    inputs.push_back(&streams.back());
+  }
+  google::protobuf::io::ConcatenatingInputStream input(
+      inputs.data(), static_cast<int>(inputs.size()));
+  return message->ParseFromZeroCopyStream(&input);
 }
 
 }  // namespace flashsampler

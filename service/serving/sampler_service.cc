@@ -85,16 +85,15 @@ struct WireRequest {
   google::protobuf::Arena arena{RequestArenaOptions()};
   v1::SampleRequest& request =
       *google::protobuf::Arena::CreateMessage<v1::SampleRequest>(&arena);
-  std::vector<grpc::Slice> slices;  // holds the bytes `data` points into
-  std::vector<absl::string_view> data;
-  bool split = false;  // `data` holds hidden_states.data
+  std::vector<grpc::Slice> slices;  // holds the bytes `parts` points into
+  SplitRequest parts;
+  bool split = false;  // `parts.data` holds hidden_states.data
 };
 
 // Reads a request's bytes into `wire`; false when they are not a valid
 // SampleRequest.
 bool ParseWireRequest(const grpc::ByteBuffer& bytes, WireRequest* wire) {
   wire->split = false;
-  wire->data.clear();
   if (bytes.Dump(&wire->slices).ok()) {
     std::vector<absl::string_view> pieces;
     pieces.reserve(wire->slices.size());
@@ -102,23 +101,22 @@ bool ParseWireRequest(const grpc::ByteBuffer& bytes, WireRequest* wire) {
       pieces.emplace_back(reinterpret_cast<const char*>(slice.begin()),
                           slice.size());
     }
-    std::string rest;
-    if (SplitHiddenStates(pieces, &rest, &wire->data) == SplitResult::kSplit) {
+    if (SplitHiddenStates(pieces, &wire->parts) == SplitResult::kSplit) {
       wire->split = true;
-      return wire->request.ParseFromString(rest);
+      return ParseRest(wire->parts.rest, &wire->request);
     }
   }
   wire->slices.clear();
-  wire->data.clear();
+  wire->parts = SplitRequest();
   return ParseRequest(bytes, &wire->request);
 }
 
 absl::Status DecodeWireRequest(const WireRequest& wire,
                                const CodecConfig& codec,
                                DecodedRequest* decoded) {
-  return wire.split
-             ? DecodeSampleRequest(wire.request, wire.data, codec, decoded)
-             : DecodeSampleRequest(wire.request, codec, decoded);
+  return wire.split ? DecodeSampleRequest(wire.request, wire.parts.data, codec,
+                                          decoded)
+                    : DecodeSampleRequest(wire.request, codec, decoded);
 }
 
 // Serializes a response; INTERNAL if it cannot be (it always can: the

@@ -52,12 +52,20 @@ v1::SampleRequest RichRequest() {
   return request;
 }
 
-// Parses a split message back into one SampleRequest.
-v1::SampleRequest Rejoin(const std::string& rest,
-                         const std::vector<absl::string_view>& data, bool* ok) {
+// Parses a split message back into one SampleRequest: its rest by
+// ParseRest, and the same bytes joined, which must agree.
+v1::SampleRequest Rejoin(const SplitRequest& split, bool* ok) {
   v1::SampleRequest request;
-  *ok = request.ParseFromString(rest);
-  if (!data.empty()) request.mutable_hidden_states()->set_data(Join(data));
+  *ok = ParseRest(split.rest, &request);
+  v1::SampleRequest joined;
+  const bool joined_ok = joined.ParseFromString(Join(split.rest));
+  EXPECT_EQ(joined_ok, *ok);
+  if (*ok && joined_ok) {
+    EXPECT_EQ(request.SerializeAsString(), joined.SerializeAsString());
+  }
+  if (!split.data.empty()) {
+    request.mutable_hidden_states()->set_data(Join(split.data));
+  }
   return request;
 }
 
@@ -66,13 +74,12 @@ TEST(RequestWireTest, SplitParsesToTheWholeMessageForEveryCut) {
   std::mt19937 gen(1);
   for (size_t max_piece : {size_t{1}, size_t{3}, size_t{64}, bytes.size()}) {
     for (int trial = 0; trial < 20; ++trial) {
-      std::string rest;
-      std::vector<absl::string_view> data;
-      ASSERT_EQ(SplitHiddenStates(Cut(bytes, max_piece, gen), &rest, &data),
-                SplitResult::kSplit);
-      EXPECT_LT(rest.size(), bytes.size() - 3 * kHidden * 4 + 1);
+      const std::vector<absl::string_view> pieces = Cut(bytes, max_piece, gen);
+      SplitRequest split;
+      ASSERT_EQ(SplitHiddenStates(pieces, &split), SplitResult::kSplit);
+      EXPECT_LT(Join(split.rest).size(), bytes.size() - 3 * kHidden * 4 + 1);
       bool ok = false;
-      const v1::SampleRequest back = Rejoin(rest, data, &ok);
+      const v1::SampleRequest back = Rejoin(split, &ok);
       ASSERT_TRUE(ok);
       EXPECT_EQ(back.SerializeAsString(), bytes);
     }
@@ -95,12 +102,11 @@ TEST(RequestWireTest, RepeatedHiddenStatesMergeAsProtobufMerges) {
   ASSERT_TRUE(expected.ParseFromString(bytes));
   std::mt19937 gen(2);
   for (int trial = 0; trial < 20; ++trial) {
-    std::string rest;
-    std::vector<absl::string_view> data;
-    ASSERT_EQ(SplitHiddenStates(Cut(bytes, 7, gen), &rest, &data),
-              SplitResult::kSplit);
+    const std::vector<absl::string_view> pieces = Cut(bytes, 7, gen);
+    SplitRequest split;
+    ASSERT_EQ(SplitHiddenStates(pieces, &split), SplitResult::kSplit);
     bool ok = false;
-    const v1::SampleRequest back = Rejoin(rest, data, &ok);
+    const v1::SampleRequest back = Rejoin(split, &ok);
     ASSERT_TRUE(ok);
     EXPECT_EQ(back.SerializeAsString(), expected.SerializeAsString());
   }
@@ -110,14 +116,13 @@ TEST(RequestWireTest, TruncatedOrGroupEncodedMessagesAreLeftToProtobuf) {
   const std::string bytes = RichRequest().SerializeAsString();
   for (size_t cut = 1; cut < bytes.size(); cut += 7) {
     const std::string truncated = bytes.substr(0, cut);
-    std::string rest;
-    std::vector<absl::string_view> data;
+    SplitRequest split;
     v1::SampleRequest whole;
     const bool parses = whole.ParseFromString(truncated);
-    if (SplitHiddenStates({truncated}, &rest, &data) == SplitResult::kSplit) {
+    if (SplitHiddenStates({truncated}, &split) == SplitResult::kSplit) {
       // Cut between two fields: a valid, shorter message either way.
       bool ok = false;
-      const v1::SampleRequest back = Rejoin(rest, data, &ok);
+      const v1::SampleRequest back = Rejoin(split, &ok);
       EXPECT_EQ(ok, parses) << "cut at " << cut;
       if (ok) {
         EXPECT_EQ(back.SerializeAsString(), whole.SerializeAsString());
@@ -130,10 +135,8 @@ TEST(RequestWireTest, TruncatedOrGroupEncodedMessagesAreLeftToProtobuf) {
   group.push_back(static_cast<char>(99 >> 4));
   group.push_back(static_cast<char>(((99 << 3 | 4) & 0x7f) | 0x80));
   group.push_back(static_cast<char>(99 >> 4));
-  std::string rest;
-  std::vector<absl::string_view> data;
-  EXPECT_EQ(SplitHiddenStates({group}, &rest, &data),
-            SplitResult::kUnsupported);
+  SplitRequest split;
+  EXPECT_EQ(SplitHiddenStates({group}, &split), SplitResult::kUnsupported);
 }
 
 CodecConfig Config(DType input_dtype) {
