@@ -95,23 +95,20 @@ class ControlledPlan {
     const bool penalized = in.repetition_penalty != 1.0f;
     keys_.resize(in.num_bias + in.num_banned + (penalized ? in.num_prompt : 0) +
                  in.num_output);
-    size_t keys = 0;
-    auto add = [this, &keys](const int32_t* ids, size_t count, uint64_t kind) {
-      for (size_t i = 0; i < count; ++i) {
-        keys_[keys++] = uint64_t{static_cast<uint32_t>(ids[i])} << 32 |
-                        kind << kKindShift | static_cast<uint64_t>(i);
-      }
+    uint64_t* next = keys_.data();
+    auto key = [&next](int32_t id, uint64_t kind, size_t i) {
+      *next++ = uint64_t{static_cast<uint32_t>(id)} << 32 | kind << kKindShift |
+                static_cast<uint64_t>(i);
     };
-    add(in.bias_ids, in.num_bias, 0);
-    add(in.banned_ids, in.num_banned, 1);
-    if (penalized) add(in.prompt_ids, in.num_prompt, 2);
-    for (size_t i = 0; i < in.num_output; ++i) {
-      if (in.output_counts[i] > 0) {
-        keys_[keys++] = uint64_t{static_cast<uint32_t>(in.output_ids[i])}
-                            << 32 |
-                        uint64_t{3} << kKindShift | static_cast<uint64_t>(i);
-      }
+    for (size_t i = 0; i < in.num_bias; ++i) key(in.bias_ids[i], 0, i);
+    for (size_t i = 0; i < in.num_banned; ++i) key(in.banned_ids[i], 1, i);
+    if (penalized) {
+      for (size_t i = 0; i < in.num_prompt; ++i) key(in.prompt_ids[i], 2, i);
     }
+    for (size_t i = 0; i < in.num_output; ++i) {
+      if (in.output_counts[i] > 0) key(in.output_ids[i], 3, i);
+    }
+    const size_t keys = static_cast<size_t>(next - keys_.data());
     std::sort(keys_.begin(), keys_.begin() + keys);
     // The row's entries are written in place, at most one per key.
     const size_t first = special_ids_.size();
@@ -220,14 +217,14 @@ class ControlledPlan {
 
   // Writes bytes() into `out` (byte_size() bytes, e.g. pinned staging)
   // without building a vector; padding bytes are zero.
-  void WriteBytes(void* out) const { WriteUpTo(out, MakeLayout().total); }
+  void WriteBytes(void* out) const { WriteArrays(out, /*bitmasks=*/true); }
 
   // bytes() up to the bitmasks: the rows and their entries, all that the
   // token classes' kernel reads, copied before the fused kernel while the
   // bitmasks follow beside it. WriteRowsAndEntries writes them.
   size_t rows_and_entries_byte_size() const { return MakeLayout().bitmask; }
   void WriteRowsAndEntries(void* out) const {
-    WriteUpTo(out, MakeLayout().bitmask);
+    WriteArrays(out, /*bitmasks=*/false);
   }
 
   // Every input array in one buffer, each at a 256-byte aligned offset.
@@ -262,10 +259,10 @@ class ControlledPlan {
   }
 
  private:
-  // bytes()' first `end` bytes (the layout's bitmask or total offset) into
-  // `out`: each array, and zeros in the alignment gaps alone (the bitmasks,
-  // 19 KB a row at V = 151936, are written once, not zeroed first).
-  void WriteUpTo(void* out, size_t end) const {
+  // bytes() into `out`, up to the bitmasks unless `bitmasks`: each array,
+  // and zeros in the alignment gaps alone (the bitmasks, 19 KB a row at V =
+  // 151936, are written once, not zeroed first).
+  void WriteArrays(void* out, bool bitmasks) const {
     const Layout layout = MakeLayout();
     unsigned char* base = static_cast<unsigned char*>(out);
     size_t written = 0;
@@ -280,7 +277,7 @@ class ControlledPlan {
     put(layout.bias, special_bias_.data(), 4 * special_bias_.size());
     put(layout.count, special_count_.data(), 4 * special_count_.size());
     put(layout.bitmask, nullptr, 0);
-    if (end == layout.bitmask) return;
+    if (!bitmasks) return;
     for (const BitmaskRow& b : bitmask_rows_)
       put(written, b.words, 4 * b.count);
     put(layout.total, nullptr, 0);

@@ -70,15 +70,11 @@ class Cursor {
     return false;
   }
 
-  // Appends the next `n` bytes to `out`.
+  // Appends the next `n` bytes to `out` (null: moves past them).
   bool Copy(uint64_t n, std::string* out) {
     return Take(n, [out](absl::string_view bytes) {
-      out->append(bytes.data(), bytes.size());
+      if (out != nullptr) out->append(bytes.data(), bytes.size());
     });
-  }
-  // Moves past the next `n` bytes.
-  bool Skip(uint64_t n) {
-    return Take(n, [](absl::string_view) {});
   }
   // Appends views of the next `n` bytes to `views`.
   bool View(uint64_t n, std::vector<absl::string_view>* views) {
@@ -127,7 +123,8 @@ void AppendVarint(uint64_t value, std::string* out) {
   out->push_back(static_cast<char>(value));
 }
 
-// Copies one field's value (its tag already read into `out`) through.
+// Copies one field's value (its tag already read into `out`) through, or
+// moves past it where `out` is null.
 bool CopyValue(Cursor& in, int wire_type, std::string* out) {
   uint64_t value;
   switch (wire_type) {
@@ -139,23 +136,6 @@ bool CopyValue(Cursor& in, int wire_type, std::string* out) {
       return in.Copy(4, out);
     case kLengthDelimited:
       return in.ReadVarint(&value, out) && in.Copy(value, out);
-    default:  // groups (3, 4) and the invalid 6, 7
-      return false;
-  }
-}
-
-// Moves past one field's value (its tag already read).
-bool SkipValue(Cursor& in, int wire_type) {
-  uint64_t value;
-  switch (wire_type) {
-    case kVarint:
-      return in.ReadVarint(&value, nullptr);
-    case kFixed64:
-      return in.Skip(8);
-    case kFixed32:
-      return in.Skip(4);
-    case kLengthDelimited:
-      return in.ReadVarint(&value, nullptr) && in.Skip(value);
     default:  // groups (3, 4) and the invalid 6, 7
       return false;
   }
@@ -214,7 +194,7 @@ SplitResult SplitHiddenStates(const std::vector<absl::string_view>& pieces,
       owned.append(tensor);
       split->rest.push_back(owned);
       run = in.position();
-    } else if (!SkipValue(in, wire_type)) {
+    } else if (!CopyValue(in, wire_type, nullptr)) {
       return SplitResult::kUnsupported;
     }
   }

@@ -230,10 +230,7 @@ struct Slot {
   cudaStream_t controls_stream = nullptr;
   cudaEvent_t controls_copied = nullptr;
   // Host packing state, reused batch after batch (no allocation once warm).
-  // plan_holds_batch: `plan` holds the current batch's every row, packed
-  // for its token classes, for the sampler to take as it is.
   ControlledPlan plan;
-  bool plan_holds_batch = false;
   ControlledRowLists lists;
   std::vector<size_t> row_bounds;
 };
@@ -331,10 +328,12 @@ class CudaEngine final : public Engine {
   // From unit candidates the sampler takes the candidate path over them
   // instead (LaunchControlledSampleFromUnits; kClassifiedUnits: ranked by
   // the slot's token classes); rows it cannot certify come back with
-  // certified = 0 and nothing else.
+  // certified = 0 and nothing else. `packed`: slot.plan already holds the
+  // batch's every row (PrepareTokenClasses), to be taken as it is where
+  // they fit one chunk.
   absl::Status RunControlled(Slot& slot, const BatchView& batch,
                              const std::vector<char>& valid, int max_samples,
-                             int max_top_n, Stage1Output stage1,
+                             int max_top_n, Stage1Output stage1, bool packed,
                              ControlledOutputLayout* layout);
   // Packs rows [first, end)'s controls into slot.plan (cleared first), a
   // refused row as a ride-along row.
@@ -1042,7 +1041,6 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
   // bitmask, 64 bias entries and 128 penalized ids took 3.84-4.10 ms
   // against 2.64-2.89 (H100, one caller, two alternating rounds).
   PackControls(slot, batch, valid, 0, batch.rows);
-  slot.plan_holds_batch = true;
   const size_t bytes = slot.plan.rows_and_entries_byte_size();
   if (bytes > kUnitEntryPlanBytes) return absl::OkStatus();
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
@@ -1065,7 +1063,7 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
 absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
                                        const std::vector<char>& valid,
                                        int max_samples, int max_top_n,
-                                       Stage1Output stage1,
+                                       Stage1Output stage1, bool packed,
                                        ControlledOutputLayout* layout) {
   const bool from_units = stage1 == Stage1Output::kUnits ||
                           stage1 == Stage1Output::kClassifiedUnits;
@@ -1124,7 +1122,7 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(
           Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
     }
-    if (!(chunks.size() == 1 && slot.plan_holds_batch)) {
+    if (!(chunks.size() == 1 && packed)) {
       PackControls(slot, batch, valid, first, end);
     }
     const size_t bytes = slot.plan.byte_size();
@@ -1492,8 +1490,8 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     from_units = false;
   }
   // Per-token entries: the units rank by token classes.
-  slot.plan_holds_batch = false;
   bool classified = false;
+  bool packed = false;  // slot.plan holds the batch (PrepareTokenClasses)
   if (from_units) {
     bool entries = false;
     for (int i = 0; i < batch.rows; ++i) {
@@ -1503,6 +1501,7 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     if (entries) {
       FS_RETURN_IF_ERROR(
           PrepareTokenClasses(slot, batch, by_controls, &classified));
+      packed = true;
       from_units = classified;
     }
   }
@@ -1518,7 +1517,7 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
   FS_RETURN_IF_ERROR(
       LaunchBatchStage1(slot, batch.rows, stage1_samples, stage1));
   FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
-                                   max_top_n, stage1, &layout));
+                                   max_top_n, stage1, packed, &layout));
   bool keeps_stage1 = false;
   for (int i = 0; i < batch.rows; ++i) {
     keeps_stage1 =
@@ -1552,7 +1551,7 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(EnqueueStage1(slot, batch.rows, stage1_samples,
                                        Stage1Output::kLogits));
       FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
-                                       max_top_n, Stage1Output::kLogits,
+                                       max_top_n, Stage1Output::kLogits, packed,
                                        &layout));
       FS_RETURN_IF_ERROR(WaitForBatch(slot));
     }
