@@ -7,8 +7,10 @@
 #include "service/serving/request_codec.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/random/random.h"
@@ -67,8 +69,10 @@ absl::Status DecodeParams(const v1::SamplingParams& in,
                                             config.limits.max_top_logprobs);
   const std::string& bitmask_bytes = in.allowed_token_bitmask_bytes();
   if (bitmask_bytes.empty()) {
-    out->allowed_bitmask.assign(in.allowed_token_bitmask().begin(),
-                                in.allowed_token_bitmask().end());
+    // The repeated field's int32 words, viewed as the uint32 they are.
+    out->allowed_bitmask = TokenBitmask::View(absl::MakeConstSpan(
+        reinterpret_cast<const uint32_t*>(in.allowed_token_bitmask().data()),
+        static_cast<size_t>(in.allowed_token_bitmask_size())));
   } else {
     rules.bitmask_field = "allowed_token_bitmask_bytes";
     const std::string field =
@@ -85,9 +89,18 @@ absl::Status DecodeParams(const v1::SamplingParams& in,
                                   4 * words, " bytes (V = ", config.vocab_size,
                                   "), got ", bitmask_bytes.size()));
     }
-    out->allowed_bitmask.resize(words);
-    std::memcpy(out->allowed_bitmask.data(), bitmask_bytes.data(),
-                bitmask_bytes.size());
+    // Viewed where the parsed request holds them, which outlives `out`
+    // (DecodedRequest); copied only where they are not word-aligned (the
+    // heap and protobuf's arena align them, so in practice never).
+    if (reinterpret_cast<uintptr_t>(bitmask_bytes.data()) % alignof(uint32_t) ==
+        0) {
+      out->allowed_bitmask = TokenBitmask::View(absl::MakeConstSpan(
+          reinterpret_cast<const uint32_t*>(bitmask_bytes.data()), words));
+    } else {
+      std::vector<uint32_t> copy(words);
+      std::memcpy(copy.data(), bitmask_bytes.data(), bitmask_bytes.size());
+      out->allowed_bitmask = std::move(copy);
+    }
   }
   out->repetition_penalty =
       in.has_repetition_penalty() ? in.repetition_penalty() : 1.0f;

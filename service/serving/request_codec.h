@@ -39,9 +39,9 @@ struct CodecConfig {
   std::vector<std::string> supported_controls;
 };
 
-// A validated request. `hidden` points into the SampleRequest's bytes, so
-// the request must outlive this object; `specs` point into `params`, whose
-// heap buffer survives moves of this struct.
+// A validated request. `hidden` and the params' allowed bitmasks point into
+// the SampleRequest, so the request must outlive this object; `specs` point
+// into `params`, whose heap buffer survives moves of this struct.
 struct DecodedRequest {
   int rows = 0;
   DType dtype = DType::kFp32;    // dtype of `hidden` on the wire

@@ -1,6 +1,7 @@
 // ValidateSamplingParams: each rule refuses its first bad value naming the
 // field as the caller wrote it and the range expected, accepts the edges,
-// and the wire rules differ from the engine rules only where documented.
+// and the wire rules differ from the engine rules only where documented;
+// a TokenBitmask's copies own or view its words as it does.
 #include "service/backends/sampling_params.h"
 
 #include <gmock/gmock.h>
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 namespace flashsampler {
 namespace {
@@ -159,6 +161,33 @@ TEST(ValidateSamplingParamsTest, TopKMinusOneUsesNoControl) {
   EXPECT_EQ(FirstUnsupportedControl(p, {}), "");
   p.top_k = 5;
   EXPECT_EQ(FirstUnsupportedControl(p, {}), "top_k");
+}
+
+// A view's copies view the same words; an owned bitmask's copies own theirs;
+// writing to a view's words copies them first and leaves the viewed words
+// alone.
+TEST(TokenBitmaskTest, CopiesViewOrOwnAsTheOriginal) {
+  std::vector<uint32_t> words = {1u, 2u, 3u};
+  const TokenBitmask view = TokenBitmask::View(words);
+  TokenBitmask view_copy = view;
+  EXPECT_EQ(view_copy.data(), words.data());
+  EXPECT_EQ(view_copy, TokenBitmask({1u, 2u, 3u}));
+
+  const TokenBitmask owned = words;
+  const TokenBitmask owned_copy = owned;
+  EXPECT_NE(owned.data(), words.data());
+  EXPECT_NE(owned_copy.data(), owned.data());
+  EXPECT_EQ(owned_copy, owned);
+
+  view_copy.mutable_words()[1] = 7u;
+  EXPECT_NE(view_copy.data(), words.data());
+  EXPECT_EQ(view_copy, TokenBitmask({1u, 7u, 3u}));
+  EXPECT_EQ(words, std::vector<uint32_t>({1u, 2u, 3u}));
+  EXPECT_EQ(view, TokenBitmask({1u, 2u, 3u}));
+
+  view_copy.clear();
+  EXPECT_TRUE(view_copy.empty());
+  EXPECT_TRUE(TokenBitmask::View({}).empty());
 }
 
 }  // namespace

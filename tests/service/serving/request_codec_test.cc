@@ -115,7 +115,8 @@ TEST(RequestCodecTest, RowParamsApplyPerRow) {
 }
 
 // allowed_token_bitmask_bytes carries the words of allowed_token_bitmask
-// little-endian: both forms decode to the same bitmask, bit 31 included.
+// little-endian: both forms decode to the same bitmask, bit 31 included,
+// and neither is copied out of the request.
 TEST(RequestCodecTest, BitmaskBytesDecodeToTheWordsOfTheRepeatedField) {
   const int64_t words = (Config().vocab_size + 31) / 32;
   std::vector<uint32_t> mask(static_cast<size_t>(words));
@@ -141,6 +142,15 @@ TEST(RequestCodecTest, BitmaskBytesDecodeToTheWordsOfTheRepeatedField) {
   EXPECT_EQ(from_words.specs[0].params->allowed_bitmask, mask);
   EXPECT_EQ(from_bytes.specs[0].params->allowed_bitmask, mask);
   EXPECT_EQ(from_bytes.specs[1].params->allowed_bitmask, mask);
+  // Both are read where the request holds them, not copied.
+  EXPECT_EQ(static_cast<const void*>(
+                from_words.specs[0].params->allowed_bitmask.data()),
+            static_cast<const void*>(
+                as_words.params().allowed_token_bitmask().data()));
+  EXPECT_EQ(static_cast<const void*>(
+                from_bytes.specs[0].params->allowed_bitmask.data()),
+            static_cast<const void*>(
+                as_bytes.params().allowed_token_bitmask_bytes().data()));
 }
 
 TEST(RequestCodecTest, Bf16AndFp16HiddenStatesAreAccepted) {

@@ -295,7 +295,8 @@ SamplingParams RandomParams(std::mt19937& rng, int64_t vocab) {
   if (coin(0.3)) {
     p.allowed_bitmask.assign((vocab + 31) / 32, 0);
     for (int64_t i = 0; i < vocab; ++i) {
-      if (coin(0.6)) p.allowed_bitmask[i / 32] |= 1u << (i % 32);
+      if (coin(0.6))
+        p.allowed_bitmask.mutable_words()[i / 32] |= 1u << (i % 32);
     }
   }
   if (coin(0.3)) {
@@ -602,7 +603,8 @@ TEST(CpuSamplerTest, AllowedBitmaskRestrictsToItsTokens) {
   SamplingParams p;
   p.allowed_bitmask.assign(4, 0);
   const std::set<int32_t> allowed = {0, 33, 64, 99};
-  for (int32_t id : allowed) p.allowed_bitmask[id / 32] |= 1u << (id % 32);
+  for (int32_t id : allowed)
+    p.allowed_bitmask.mutable_words()[id / 32] |= 1u << (id % 32);
   std::set<int32_t> seen;
   std::vector<RowResult> out;
   ASSERT_TRUE(d.SampleSeeds(p, 0, 400, &out).ok());
@@ -827,7 +829,7 @@ TEST(CpuSamplerTest, RawLogprobsExcludeMaskedTokens) {
     p.top_k = 30;
     p.banned_token_ids = {40};
     p.allowed_bitmask.assign((vocab + 31) / 32, ~0u);
-    p.allowed_bitmask[290 / 32] &= ~(1u << (290 % 32));
+    p.allowed_bitmask.mutable_words()[290 / 32] &= ~(1u << (290 % 32));
     p.logit_bias = {{17, -std::numeric_limits<float>::infinity()}, {100, 3.0f}};
     p.repetition_penalty = 3.0f;
     p.prompt_token_ids = {5};
