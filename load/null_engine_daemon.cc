@@ -31,6 +31,8 @@ ABSL_FLAG(int, max_batch_rows, 256, "largest batch");
 ABSL_FLAG(int, max_shared_memory_regions, 0,
           "shared-memory regions callers may register (0: none)");
 ABSL_FLAG(int, slots, 2, "batches in flight at once");
+ABSL_FLAG(int, parse_threads, flashsampler::ServerOptions().parse_threads,
+          "threads that help parse large row_params (0: the handler alone)");
 ABSL_FLAG(absl::Duration, engine_delay, absl::ZeroDuration(),
           "time each batch takes (a kernel stand-in); 0 = returns at once");
 
@@ -96,6 +98,7 @@ int Main(int argc, char** argv) {
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
+  options.parse_threads = absl::GetFlag(FLAGS_parse_threads);
   options.max_shared_memory_regions =
       absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.drain_timeout = absl::Seconds(5);

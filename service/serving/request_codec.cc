@@ -223,7 +223,8 @@ namespace {
 // null, else request.hidden_states().data().
 absl::Status Decode(const v1::SampleRequest& request,
                     const std::vector<absl::string_view>* data,
-                    const CodecConfig& config, DecodedRequest* out) {
+                    const CodecConfig& config, ThreadPool* pool,
+                    DecodedRequest* out) {
   const int64_t hidden = config.hidden_size;
   if (!request.has_hidden_states()) {
     return Invalid("hidden_states",
@@ -374,11 +375,21 @@ absl::Status Decode(const v1::SampleRequest& request,
     out->params.resize(rows);
     for (int r = 0; r < rows; ++r) {
       prefixes.push_back(absl::StrCat("row_params[", r, "]"));
-      if (absl::Status s = DecodeParams(request.row_params(r), prefixes[r],
-                                        config, &out->params[r]);
-          !s.ok()) {
-        return s;
-      }
+    }
+    // Each row alone; the first failing row in order is the answer, as on
+    // one thread.
+    std::vector<absl::Status> statuses(static_cast<size_t>(rows));
+    auto decode_row = [&](int64_t r) {
+      statuses[r] = DecodeParams(request.row_params(static_cast<int>(r)),
+                                 prefixes[r], config, &out->params[r]);
+    };
+    if (pool != nullptr) {
+      pool->ParallelFor(rows, decode_row);
+    } else {
+      for (int r = 0; r < rows; ++r) decode_row(r);
+    }
+    for (absl::Status& s : statuses) {
+      if (!s.ok()) return std::move(s);
     }
     // The response packs token ids as [B, n] and logprob fields per row, so
     // every row of one request must agree on them.
@@ -432,14 +443,14 @@ absl::Status Decode(const v1::SampleRequest& request,
 absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
                                  const CodecConfig& config,
                                  DecodedRequest* out) {
-  return Decode(request, nullptr, config, out);
+  return Decode(request, nullptr, config, nullptr, out);
 }
 
 absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
                                  const std::vector<absl::string_view>& data,
-                                 const CodecConfig& config,
-                                 DecodedRequest* out) {
-  return Decode(request, &data, config, out);
+                                 const CodecConfig& config, DecodedRequest* out,
+                                 ThreadPool* pool) {
+  return Decode(request, &data, config, pool, out);
 }
 
 absl::Status EncodeSampleResponse(const v1::SampleRequest& request,

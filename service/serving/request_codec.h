@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/thread_pool.h"
 #include "flashsampler/v1/sampler.pb.h"
 #include "service/backends/sampling_params.h"
 #include "service/serving/server_options.h"
@@ -75,11 +76,14 @@ absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
 
 // The same for a request parsed without its hidden states' bytes
 // (request_wire.h): request.hidden_states().data() is ignored and `data`,
-// views that must outlive `out`, holds them instead.
+// views that must outlive `out`, holds them instead. With a `pool`, the
+// rows' controls are decoded on its workers and the calling thread (for
+// requests whose row_params are large enough to gain: ParseSplitRequest's
+// kParallelRowParamsBytes); the result is the same.
 absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
                                  const std::vector<absl::string_view>& data,
-                                 const CodecConfig& config,
-                                 DecodedRequest* out);
+                                 const CodecConfig& config, DecodedRequest* out,
+                                 ThreadPool* pool = nullptr);
 
 // Fills `response` (request_id, n, token_ids, seeds, logprob fields) from one
 // result per row. INTERNAL if the engine returned a malformed result (a bug,

@@ -1,9 +1,11 @@
 // The wire format walk of SplitHiddenStates: only the fields on the path to
-// hidden_states.data (SampleRequest field 2, Tensor field 3) are opened;
-// every other field is passed through as views of the bytes it came in.
+// hidden_states.data (SampleRequest field 2, Tensor field 3) are opened,
+// row_params (field 4) are set aside whole; every other field is passed
+// through as views of the bytes it came in.
 #include "service/serving/request_wire.h"
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 
 #include "google/protobuf/io/zero_copy_stream_impl.h"
@@ -14,6 +16,7 @@ namespace flashsampler {
 namespace {
 
 constexpr uint32_t kHiddenStatesField = 2;  // SampleRequest.hidden_states
+constexpr uint32_t kRowParamsField = 4;     // SampleRequest.row_params
 constexpr uint32_t kDataField = 3;          // Tensor.data
 constexpr int kVarint = 0;
 constexpr int kFixed64 = 1;
@@ -171,6 +174,8 @@ SplitResult SplitHiddenStates(const std::vector<absl::string_view>& pieces,
   split->rest.clear();
   split->tensors.clear();
   split->data.clear();
+  split->row_params.clear();
+  split->row_params_bytes = 0;
   Cursor in(pieces);
   // The first byte of the fields passed through since the last
   // hidden_states field.
@@ -194,6 +199,15 @@ SplitResult SplitHiddenStates(const std::vector<absl::string_view>& pieces,
       owned.append(tensor);
       split->rest.push_back(owned);
       run = in.position();
+    } else if ((tag >> 3) == kRowParamsField && wire_type == kLengthDelimited) {
+      uint64_t length;
+      if (!in.ReadVarint(&length, nullptr)) return SplitResult::kUnsupported;
+      in.ViewsBetween(run, field, &split->rest);
+      if (!in.View(length, &split->row_params.emplace_back())) {
+        return SplitResult::kUnsupported;
+      }
+      split->row_params_bytes += length;
+      run = in.position();
     } else if (!CopyValue(in, wire_type, nullptr)) {
       return SplitResult::kUnsupported;
     }
@@ -202,18 +216,49 @@ SplitResult SplitHiddenStates(const std::vector<absl::string_view>& pieces,
   return SplitResult::kSplit;
 }
 
-bool ParseRest(const std::vector<absl::string_view>& rest,
-               google::protobuf::MessageLite* message) {
+bool ParseViews(const std::vector<absl::string_view>& views,
+                google::protobuf::MessageLite* message) {
+  if (views.size() == 1) {
+    return message->ParseFromArray(views[0].data(),
+                                   static_cast<int>(views[0].size()));
+  }
   std::deque<google::protobuf::io::ArrayInputStream> streams;
   std::vector<google::protobuf::io::ZeroCopyInputStream*> inputs;
-  inputs.reserve(rest.size());
-  for (absl::string_view view : rest) {
+  inputs.reserve(views.size());
+  for (absl::string_view view : views) {
     streams.emplace_back(view.data(), static_cast<int>(view.size()));
     inputs.push_back(&streams.back());
   }
   google::protobuf::io::ConcatenatingInputStream input(
       inputs.data(), static_cast<int>(inputs.size()));
   return message->ParseFromZeroCopyStream(&input);
+}
+
+bool ParseSplitRequest(const SplitRequest& split, ThreadPool* pool,
+                       v1::SampleRequest* request) {
+  if (!ParseViews(split.rest, request)) return false;
+  const int rows = static_cast<int>(split.row_params.size());
+  if (rows == 0) return true;
+  auto* fields = request->mutable_row_params();
+  fields->Reserve(rows);
+  for (int i = 0; i < rows; ++i) fields->Add();
+  auto parse = [&](int64_t i) {
+    return ParseViews(split.row_params[static_cast<size_t>(i)],
+                      fields->Mutable(static_cast<int>(i)));
+  };
+  if (pool == nullptr || split.row_params_bytes < kParallelRowParamsBytes) {
+    for (int i = 0; i < rows; ++i) {
+      if (!parse(i)) return false;
+    }
+    return true;
+  }
+  // One flag a row: the rows are parsed on several threads.
+  std::unique_ptr<bool[]> parsed(new bool[static_cast<size_t>(rows)]);
+  pool->ParallelFor(rows, [&](int64_t i) { parsed[i] = parse(i); });
+  for (int i = 0; i < rows; ++i) {
+    if (!parsed[i]) return false;
+  }
+  return true;
 }
 
 }  // namespace flashsampler

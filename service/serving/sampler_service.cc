@@ -92,7 +92,8 @@ struct WireRequest {
 
 // Reads a request's bytes into `wire`; false when they are not a valid
 // SampleRequest.
-bool ParseWireRequest(const grpc::ByteBuffer& bytes, WireRequest* wire) {
+bool ParseWireRequest(const grpc::ByteBuffer& bytes, ThreadPool* pool,
+                      WireRequest* wire) {
   wire->split = false;
   if (bytes.Dump(&wire->slices).ok()) {
     std::vector<absl::string_view> pieces;
@@ -103,7 +104,7 @@ bool ParseWireRequest(const grpc::ByteBuffer& bytes, WireRequest* wire) {
     }
     if (SplitHiddenStates(pieces, &wire->parts) == SplitResult::kSplit) {
       wire->split = true;
-      return ParseRest(wire->parts.rest, &wire->request);
+      return ParseSplitRequest(wire->parts, pool, &wire->request);
     }
   }
   wire->slices.clear();
@@ -112,11 +113,13 @@ bool ParseWireRequest(const grpc::ByteBuffer& bytes, WireRequest* wire) {
 }
 
 absl::Status DecodeWireRequest(const WireRequest& wire,
-                               const CodecConfig& codec,
+                               const CodecConfig& codec, ThreadPool* pool,
                                DecodedRequest* decoded) {
-  return wire.split ? DecodeSampleRequest(wire.request, wire.parts.data, codec,
-                                          decoded)
-                    : DecodeSampleRequest(wire.request, codec, decoded);
+  if (!wire.split) return DecodeSampleRequest(wire.request, codec, decoded);
+  // The rows that were worth parsing on the pool are worth decoding there.
+  const bool parallel = wire.parts.row_params_bytes >= kParallelRowParamsBytes;
+  return DecodeSampleRequest(wire.request, wire.parts.data, codec, decoded,
+                             parallel ? pool : nullptr);
 }
 
 // Serializes a response; INTERNAL if it cannot be (it always can: the
@@ -479,14 +482,15 @@ class SampleStreamReactor final
 
 SamplerService::SamplerService(Batcher* batcher, Metrics* metrics,
                                CodecConfig codec, v1::ModelInfo model_info,
-                               int max_stream_in_flight,
+                               int max_stream_in_flight, int parse_threads,
                                SharedMemoryRegistry* shared_memory)
     : batcher_(batcher),
       metrics_(metrics),
       codec_(std::move(codec)),
       model_info_(std::move(model_info)),
       max_stream_in_flight_(std::max(1, max_stream_in_flight)),
-      shared_memory_(shared_memory) {}
+      shared_memory_(shared_memory),
+      parse_pool_(parse_threads) {}
 
 SamplerService::~SamplerService() {
   // Server::Stop destroys the service after gRPC's shutdown has ended every
@@ -503,10 +507,11 @@ grpc::ServerUnaryReactor* SamplerService::Sample(
   auto call = std::make_unique<UnarySampleCall>(context, reactor, response,
                                                 metrics_, start);
   absl::Status status;
-  if (!ParseWireRequest(*request, call->wire())) {
+  if (!ParseWireRequest(*request, &parse_pool_, call->wire())) {
     status = absl::InvalidArgumentError(kNotARequest);
   } else {
-    status = DecodeWireRequest(*call->wire(), codec_, call->decoded());
+    status =
+        DecodeWireRequest(*call->wire(), codec_, &parse_pool_, call->decoded());
   }
   if (status.ok()) {
     metrics_->ObserveDecode(SecondsSince(start));

@@ -1,5 +1,6 @@
 // flashsampler.v1.Sampler on gRPC's callback API. Handlers validate the
-// request, hand it to the batcher and return; batcher threads finish the
+// request (a unary request's large row_params with the parse pool's help),
+// hand it to the batcher and return; batcher threads finish the
 // reactors, except that unary Sample runs its batch in the handler when the
 // engine is idle and fast (Batcher::SubmitOrRun: at most one such batch, of
 // under about a millisecond, holds a gRPC thread at a time). SampleStream
@@ -16,6 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "common/thread_pool.h"
 #include "flashsampler/v1/sampler.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "service/serving/batcher.h"
@@ -41,8 +43,11 @@ class SamplerService final : public SamplerServiceBase {
   // `batcher`, `metrics` and `shared_memory` (null: the daemon serves no
   // shared memory) must outlive the service. `model_info` is what
   // GetModelInfo returns.
+  // `parse_threads` help unary handlers parse large row_params
+  // (ServerOptions::parse_threads).
   SamplerService(Batcher* batcher, Metrics* metrics, CodecConfig codec,
                  v1::ModelInfo model_info, int max_stream_in_flight,
+                 int parse_threads,
                  SharedMemoryRegistry* shared_memory = nullptr);
   ~SamplerService() override;
 
@@ -90,6 +95,7 @@ class SamplerService final : public SamplerServiceBase {
   const v1::ModelInfo model_info_;
   const int max_stream_in_flight_;
   SharedMemoryRegistry* const shared_memory_;
+  ThreadPool parse_pool_;
 
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

@@ -441,7 +441,8 @@ Server::Server(const ServerOptions& options,
   }
   service_ = std::make_unique<SamplerService>(
       batcher_.get(), metrics_.get(), std::move(codec), model_,
-      options_.max_stream_in_flight, shared_memory_.get());
+      options_.max_stream_in_flight, options_.parse_threads,
+      shared_memory_.get());
 
   metrics_->SetWeightsInfo(info.vocab_size, info.hidden_size,
                            DTypeName(info.weight_dtype),

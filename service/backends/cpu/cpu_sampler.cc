@@ -70,7 +70,8 @@ CpuSampler::CpuSampler(std::shared_ptr<const std::vector<float>> weights,
   int threads = options_.threads;
   if (threads <= 0)
     threads = static_cast<int>(std::thread::hardware_concurrency());
-  pool_ = std::make_unique<ThreadPool>(std::max(1, threads));
+  // The slot calling ParallelFor is the last of the `threads`.
+  pool_ = std::make_unique<ThreadPool>(std::max(1, threads) - 1);
 }
 
 absl::StatusOr<std::unique_ptr<CpuSampler>> CpuSampler::Create(

@@ -12,14 +12,15 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/thread_pool.h"
 #include "service/backends/cpu/sample.h"  // MaxGumbelNoise()
-#include "service/backends/cpu/thread_pool.h"
 #include "service/backends/sampling_params.h"
 
 namespace flashsampler {
 
 struct CpuSamplerOptions {
-  // Worker threads; 0 = std::thread::hardware_concurrency().
+  // Threads sampling one batch, its caller included; 0 =
+  // std::thread::hardware_concurrency().
   int threads = 0;
   // Vocabulary rows per chunk (rounded up to whole 256-row tiles). A chunk of
   // one row block is one unit of parallel work and one stage-1 candidate; per
@@ -98,7 +99,7 @@ class CpuSampler {
 
   int64_t vocab_size() const { return vocab_; }
   int64_t hidden_size() const { return hidden_; }
-  int num_threads() const { return pool_->num_threads(); }
+  int num_threads() const { return pool_->num_threads() + 1; }
   // Hidden rows per matrix product: 8, or 1 when the start-up self-check
   // found that this BLAS's result for a row depends on its position in the
   // block (which would break batch invariance).

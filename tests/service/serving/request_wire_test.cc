@@ -1,7 +1,8 @@
 // Tests of SplitHiddenStates and of decoding a request from pieces: for any
 // way the transport cuts a message, the split parses to the message protobuf
-// parses from the whole, and the pieces decode as the contiguous bytes do
-// (the same rows, the same first non-finite row).
+// parses from the whole (its rows on one thread or on a pool), and the
+// pieces decode as the contiguous bytes do (the same rows, the same first
+// non-finite row).
 #include "service/serving/request_wire.h"
 
 #include <cmath>
@@ -49,16 +50,27 @@ v1::SampleRequest RichRequest() {
   request.add_steps(1);
   request.add_steps(2);
   request.add_steps(3);
+  for (int row = 0; row < 3; ++row) {
+    v1::SamplingParams* p = request.add_row_params();
+    p->set_top_p(0.5f + 0.1f * row);
+    p->add_prompt_token_ids(row);
+    p->add_logit_bias()->set_token_id(7 * row);
+  }
   return request;
 }
 
-// Parses a split message back into one SampleRequest: its rest by
-// ParseRest, and the same bytes joined, which must agree.
-v1::SampleRequest Rejoin(const SplitRequest& split, bool* ok) {
+// Parses a split message back into one SampleRequest by ParseSplitRequest
+// (with `pool`, when given), and its bytes joined, which must agree.
+v1::SampleRequest Rejoin(const SplitRequest& split, bool* ok,
+                         ThreadPool* pool = nullptr) {
   v1::SampleRequest request;
-  *ok = ParseRest(split.rest, &request);
+  *ok = ParseSplitRequest(split, pool, &request);
   v1::SampleRequest joined;
-  const bool joined_ok = joined.ParseFromString(Join(split.rest));
+  bool joined_ok = joined.ParseFromString(Join(split.rest));
+  for (const std::vector<absl::string_view>& row : split.row_params) {
+    joined_ok =
+        joined_ok && joined.add_row_params()->ParseFromString(Join(row));
+  }
   EXPECT_EQ(joined_ok, *ok);
   if (*ok && joined_ok) {
     EXPECT_EQ(request.SerializeAsString(), joined.SerializeAsString());
@@ -83,6 +95,53 @@ TEST(RequestWireTest, SplitParsesToTheWholeMessageForEveryCut) {
       ASSERT_TRUE(ok);
       EXPECT_EQ(back.SerializeAsString(), bytes);
     }
+  }
+}
+
+// Rows of 64 KB and more in all are parsed on the pool: the same message,
+// and a row that does not parse fails the request, wherever it is.
+TEST(RequestWireTest, RowsParsedOnAPoolGiveTheWholeMessage) {
+  v1::SampleRequest request = testing::MakeRequest(64, kHidden, 3);
+  for (int row = 0; row < 64; ++row) {
+    v1::SamplingParams* p = request.add_row_params();
+    p->set_temperature(0.01f * row);
+    p->set_allowed_token_bitmask_bytes(
+        std::string(2048, static_cast<char>(row)));
+    for (int i = 0; i < 16; ++i) p->add_logit_bias()->set_token_id(row + i);
+  }
+  const std::string bytes = request.SerializeAsString();
+  ThreadPool pool(3);
+  std::mt19937 gen(4);
+  for (size_t max_piece : {size_t{999}, bytes.size()}) {
+    const std::vector<absl::string_view> pieces = Cut(bytes, max_piece, gen);
+    SplitRequest split;
+    ASSERT_EQ(SplitHiddenStates(pieces, &split), SplitResult::kSplit);
+    ASSERT_EQ(split.row_params.size(), 64u);
+    ASSERT_GE(split.row_params_bytes, kParallelRowParamsBytes);
+    bool ok = false;
+    v1::SampleRequest back = Rejoin(split, &ok, &pool);
+    ASSERT_TRUE(ok);
+    back.mutable_hidden_states()->set_data(Join(split.data));
+    EXPECT_EQ(back.SerializeAsString(), bytes);
+  }
+  // The bad row's 64 KB bitmask tag (field 15, wire type 2) made a group
+  // start (wire type 3) that never ends.
+  for (int bad : {0, 40, 63}) {
+    v1::SampleRequest broken = request;
+    broken.mutable_row_params(bad)->Clear();
+    broken.mutable_row_params(bad)->set_allowed_token_bitmask_bytes(
+        std::string(kParallelRowParamsBytes, 'b'));
+    std::string broken_bytes = broken.SerializeAsString();
+    const std::string tag = {static_cast<char>(15 << 3 | 2)};
+    const size_t at = broken_bytes.find(tag + std::string("\x80\x80\x04"));
+    ASSERT_NE(at, std::string::npos);
+    broken_bytes[at] = static_cast<char>(15 << 3 | 3);
+    SplitRequest split;
+    ASSERT_EQ(SplitHiddenStates({broken_bytes}, &split), SplitResult::kSplit);
+    v1::SampleRequest whole;
+    EXPECT_FALSE(whole.ParseFromString(broken_bytes));
+    v1::SampleRequest parsed;
+    EXPECT_FALSE(ParseSplitRequest(split, &pool, &parsed)) << "row " << bad;
   }
 }
 
@@ -191,6 +250,47 @@ TEST(RequestWireTest, PiecesDecodeLikeContiguousBytes) {
         }
       }
     }
+  }
+}
+
+// Rows decoded on a pool are the rows decoded on one thread, and the error
+// is the first failing row's, whichever thread met it first.
+TEST(RequestWireTest, RowsDecodedOnAPoolGiveTheSameRowsAndFirstError) {
+  constexpr int kRows = 8;
+  v1::SampleRequest request = testing::MakeRequest(kRows, kHidden, 5);
+  for (int row = 0; row < kRows; ++row) {
+    v1::SamplingParams* p = request.add_row_params();
+    p->set_top_k(row + 1);
+    p->add_banned_token_ids(row);
+    p->add_logit_bias()->set_token_id(3 * row);
+  }
+  const std::string data = request.hidden_states().data();
+  const std::vector<absl::string_view> pieces = {data};
+  ThreadPool pool(3);
+  DecodedRequest serial;
+  DecodedRequest pooled;
+  ASSERT_TRUE(
+      DecodeSampleRequest(request, pieces, Config(DType::kFp32), &serial).ok());
+  ASSERT_TRUE(
+      DecodeSampleRequest(request, pieces, Config(DType::kFp32), &pooled, &pool)
+          .ok());
+  ASSERT_EQ(pooled.params.size(), serial.params.size());
+  for (int row = 0; row < kRows; ++row) {
+    EXPECT_EQ(pooled.params[row].top_k, row + 1);
+    EXPECT_EQ(pooled.params[row].banned_token_ids,
+              serial.params[row].banned_token_ids);
+    EXPECT_EQ(pooled.specs[row].params, &pooled.params[row]);
+  }
+  request.mutable_row_params(6)->set_top_p(2.0f);
+  request.mutable_row_params(2)->add_banned_token_ids(5000);
+  for (int trial = 0; trial < 20; ++trial) {
+    const absl::Status got = DecodeSampleRequest(
+        request, pieces, Config(DType::kFp32), &pooled, &pool);
+    EXPECT_EQ(got, DecodeSampleRequest(request, pieces, Config(DType::kFp32),
+                                       &serial));
+    EXPECT_NE(got.message().find("row_params[2].banned_token_ids[1]"),
+              absl::string_view::npos)
+        << got;
   }
 }
 
