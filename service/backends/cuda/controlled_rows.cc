@@ -137,17 +137,58 @@ ControlledRowInput ControlledInputFrom(const RowSpec& spec,
 
 void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
                         int first, int end, const SamplingParams& ride_along,
-                        ControlledRowLists* lists, ControlledPlan* plan) {
+                        ControlledPackScratch* scratch, ControlledPlan* plan,
+                        ThreadPool* pool) {
+  // The rows' inputs first (their list pointers stay put while the plan
+  // merges), then the rows to add, each an input or a repeat.
+  int packed = 0;
   const SamplingParams* previous = nullptr;
+  for (int i = first; i < end; ++i) {
+    const SamplingParams* params = valid[i] ? specs[i].params : &ride_along;
+    if (previous != nullptr && params == previous) continue;
+    previous = params;
+    ++packed;
+  }
+  if (static_cast<int>(scratch->lists.size()) < packed) {
+    scratch->lists.resize(static_cast<size_t>(packed));
+  }
+  scratch->inputs.clear();
+  scratch->rows.clear();
+  size_t entries = 0;
+  previous = nullptr;
   for (int i = first; i < end; ++i) {
     RowSpec spec = specs[i];
     if (!valid[i]) spec.params = &ride_along;
-    if (previous != nullptr && spec.params == previous) {
-      plan->RepeatLastRow(spec.seed, spec.step);
-      continue;
-    }
+    if (previous != nullptr && spec.params == previous) continue;
     previous = spec.params;
-    plan->AddRow(ControlledInputFrom(spec, lists));
+    ControlledRowLists* lists = &scratch->lists[scratch->inputs.size()];
+    scratch->inputs.push_back(ControlledInputFrom(spec, lists));
+    entries += ListEntries(*spec.params);
+  }
+  size_t next_input = 0;
+  previous = nullptr;
+  for (int i = first; i < end; ++i) {
+    const SamplingParams* params = valid[i] ? specs[i].params : &ride_along;
+    ControlledPlan::RowToAdd row;
+    if (previous != nullptr && params == previous) {
+      row.seed = specs[i].seed;
+      row.step = specs[i].step;
+    } else {
+      row.in = &scratch->inputs[next_input++];
+    }
+    previous = params;
+    scratch->rows.push_back(row);
+  }
+  if (pool != nullptr && entries >= kParallelPackEntries) {
+    plan->AddRows(scratch->rows,
+                  [pool](int64_t n, absl::FunctionRef<void(int64_t)> fn) {
+                    pool->ParallelFor(n, fn);
+                  });
+  } else {
+    plan->AddRows(scratch->rows,
+                  [](int64_t n, absl::FunctionRef<void(int64_t)> fn) {
+                    for (int64_t i = 0; i < n; ++i) fn(i);
+                  });
   }
 }
 

@@ -42,6 +42,7 @@
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "common/status_util.h"
+#include "common/thread_pool.h"
 #include "kernels/controls/controlled_math.h"
 #include "kernels/controls/controlled_plan.h"
 #include "kernels/controls/controlled_sampler.h"
@@ -231,9 +232,16 @@ struct Slot {
   cudaEvent_t controls_copied = nullptr;
   // Host packing state, reused batch after batch (no allocation once warm).
   ControlledPlan plan;
-  ControlledRowLists lists;
+  ControlledPackScratch pack_scratch;
   std::vector<size_t> row_bounds;
 };
+
+// Workers that help a slot's thread merge its batch's per-token entries
+// (PackControlledRows). A batch of 256 rows each with its own 64 bias
+// entries and 128 penalized ids merges them before the fused kernel; with
+// four threads the merge no longer sets the batch's pace. The slots share
+// them.
+constexpr int kPackWorkers = 3;
 
 class CudaEngine final : public Engine {
  public:
@@ -381,6 +389,7 @@ class CudaEngine final : public Engine {
   EngineInfo info_;
   std::vector<Rank> ranks_;
   std::vector<Slot> slots_;
+  ThreadPool pack_pool_{kPackWorkers};
   // Device memory held per rank (info().shards[r].device_bytes).
   std::vector<int64_t> device_bytes_;
   size_t element_bytes_ = 2;
@@ -1028,7 +1037,7 @@ void CudaEngine::PackControls(Slot& slot, const BatchView& batch,
   slot.plan.Clear();
   // A refused row keeps its place (one CTA per logits row) as a plain row.
   PackControlledRows(batch.specs, valid, first, end, ride_along_params_,
-                     &slot.lists, &slot.plan);
+                     &slot.pack_scratch, &slot.plan, &pack_pool_);
 }
 
 absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,

@@ -362,10 +362,11 @@ TEST(ControlledRowsTest, RowsOfOneParamsShareTheirPackedControls) {
     specs[r].seed = 1000 + r;
     specs[r].step = 7 * r;
   }
-  ControlledRowLists lists;
+  ControlledPackScratch scratch;
   ControlledPlan shared;
   PackControlledRows(specs.data(), valid, 0, static_cast<int>(specs.size()),
-                     ride_along, &lists, &shared);
+                     ride_along, &scratch, &shared);
+  ControlledRowLists lists;
   ControlledPlan fresh;
   for (size_t r = 0; r < specs.size(); ++r) {
     RowSpec spec = specs[r];
@@ -424,6 +425,93 @@ TEST(ControlledRowsTest, RowsOfOneParamsShareTheirPackedControls) {
   EXPECT_TRUE(std::all_of(rows_and_entries.begin() + prefix,
                           rows_and_entries.end(),
                           [](unsigned char b) { return b == 0xee; }));
+}
+
+// With a pool and enough entries the rows merge on several threads into
+// regions closed up afterwards: the plan holds what packing row after row
+// gives, repeats, refused rows and rows without entries included, and
+// a plan reused for a second batch holds that batch alone.
+TEST(ControlledRowsTest, RowsMergedOnAPoolPackTheSameBytes) {
+  std::mt19937 gen(11);
+  std::uniform_int_distribution<int32_t> id(0, kVocab - 1);
+  std::vector<SamplingParams> params(48);
+  for (size_t p = 0; p < params.size(); ++p) {
+    SamplingParams& row = params[p];
+    row.temperature = 0.5f + 0.01f * p;
+    if (p % 7 == 3) continue;  // no entries
+    for (int e = 0; e < 120; ++e) {
+      row.logit_bias.push_back({id(gen), 0.01f * e});
+    }
+    row.banned_token_ids = {id(gen), id(gen)};
+    row.repetition_penalty = p % 2 ? 1.3f : 1.0f;
+    for (int e = 0; e < 30; ++e) row.prompt_token_ids.push_back(id(gen));
+    row.output_token_counts = {{id(gen), 2}, {id(gen), 0}, {id(gen), 1}};
+    if (p % 5 == 0) row.allowed_bitmask.assign((kVocab + 31) / 32, ~0u);
+  }
+  SamplingParams ride_along;
+  std::vector<RowSpec> specs;
+  std::vector<char> valid;
+  for (size_t p = 0; p < params.size(); ++p) {
+    for (size_t repeat = 0; repeat < 1 + p % 3; ++repeat) {
+      specs.push_back({&params[p], 100 + specs.size(), specs.size()});
+      valid.push_back(specs.size() % 11 != 0);
+    }
+  }
+  const int rows = static_cast<int>(specs.size());
+  ThreadPool pool(3);
+  ControlledPackScratch scratch;
+  ControlledPlan serial;
+  PackControlledRows(specs.data(), valid, 0, rows, ride_along, &scratch,
+                     &serial);
+  ControlledPlan pooled;
+  // A smaller batch first: the second pack must not keep any of it.
+  PackControlledRows(specs.data(), valid, 5, 9, ride_along, &scratch, &pooled,
+                     &pool);
+  pooled.Clear();
+  PackControlledRows(specs.data(), valid, 0, rows, ride_along, &scratch,
+                     &pooled, &pool);
+  ControlledRowLists lists;
+  ControlledPlan one_by_one;
+  const SamplingParams* previous = nullptr;
+  for (int r = 0; r < rows; ++r) {
+    RowSpec spec = specs[r];
+    if (!valid[r]) spec.params = &ride_along;
+    if (spec.params == previous) {
+      one_by_one.RepeatLastRow(spec.seed, spec.step);
+    } else {
+      one_by_one.AddRow(ControlledInputFrom(spec, &lists));
+    }
+    previous = spec.params;
+  }
+  // Enough list entries (each params packed at least once) for the pool.
+  size_t entries = 0;
+  for (const SamplingParams& p : params) {
+    entries += p.logit_bias.size() + p.banned_token_ids.size() +
+               p.output_token_counts.size() +
+               (p.repetition_penalty != 1.0f ? p.prompt_token_ids.size() : 0);
+  }
+  ASSERT_GE(entries, kParallelPackEntries);
+  // Field by field: ControlledRow's padding bytes are indeterminate.
+  for (const ControlledPlan* plan : {&serial, &pooled}) {
+    ASSERT_EQ(plan->rows(), rows);
+    for (int r = 0; r < rows; ++r) {
+      const ControlledRow& a = plan->row_controls()[r];
+      const ControlledRow& b = one_by_one.row_controls()[r];
+      EXPECT_TRUE(a.temperature == b.temperature && a.top_k == b.top_k &&
+                  a.repetition_penalty == b.repetition_penalty &&
+                  a.seed == b.seed && a.step == b.step &&
+                  a.special_begin == b.special_begin &&
+                  a.special_end == b.special_end &&
+                  a.bitmask_offset == b.bitmask_offset)
+          << "row " << r;
+    }
+    EXPECT_EQ(plan->special_ids(), one_by_one.special_ids());
+    EXPECT_EQ(plan->special_flags(), one_by_one.special_flags());
+    EXPECT_EQ(plan->special_bias(), one_by_one.special_bias());
+    EXPECT_EQ(plan->special_count(), one_by_one.special_count());
+    EXPECT_EQ(plan->bitmask(), one_by_one.bitmask());
+    EXPECT_EQ(plan->byte_size(), one_by_one.byte_size());
+  }
 }
 
 TEST(ControlledRowsTest, BatchesOverTheBudgetSplitIntoChunksThatFit) {
