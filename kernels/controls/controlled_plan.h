@@ -116,18 +116,14 @@ class ControlledPlan {
       const size_t count = region_entries_[i];
       if (from != at) {
         // Down to `at` < `from`: a forward copy of overlapping ranges.
-        std::copy(special_ids_.begin() + from,
-                  special_ids_.begin() + from + count,
-                  special_ids_.begin() + at);
-        std::copy(special_flags_.begin() + from,
-                  special_flags_.begin() + from + count,
-                  special_flags_.begin() + at);
-        std::copy(special_bias_.begin() + from,
-                  special_bias_.begin() + from + count,
-                  special_bias_.begin() + at);
-        std::copy(special_count_.begin() + from,
-                  special_count_.begin() + from + count,
-                  special_count_.begin() + at);
+        auto move_down = [from, count, at](auto& entries) {
+          std::copy(entries.begin() + from, entries.begin() + from + count,
+                    entries.begin() + at);
+        };
+        move_down(special_ids_);
+        move_down(special_flags_);
+        move_down(special_bias_);
+        move_down(special_count_);
       }
       AppendRow(*rows[i].in, at, at + count);
       at += count;
