@@ -139,28 +139,21 @@ void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
                         int first, int end, const SamplingParams& ride_along,
                         ControlledPackScratch* scratch, ControlledPlan* plan,
                         ThreadPool* pool) {
-  // The rows' inputs first (their list pointers stay put while the plan
-  // merges), then the rows to add, each an input or a repeat.
-  int packed = 0;
-  const SamplingParams* previous = nullptr;
-  for (int i = first; i < end; ++i) {
-    const SamplingParams* params = valid[i] ? specs[i].params : &ride_along;
-    if (previous != nullptr && params == previous) continue;
-    previous = params;
-    ++packed;
-  }
-  if (static_cast<int>(scratch->lists.size()) < packed) {
-    scratch->lists.resize(static_cast<size_t>(packed));
-  }
+  // The rows' inputs first, then the rows to add, each an input or a
+  // repeat. An input points into its lists' element buffers, which stay put
+  // when `scratch->lists` grows (the lists are moved, not copied).
   scratch->inputs.clear();
   scratch->rows.clear();
   size_t entries = 0;
-  previous = nullptr;
+  const SamplingParams* previous = nullptr;
   for (int i = first; i < end; ++i) {
     RowSpec spec = specs[i];
     if (!valid[i]) spec.params = &ride_along;
     if (previous != nullptr && spec.params == previous) continue;
     previous = spec.params;
+    if (scratch->inputs.size() == scratch->lists.size()) {
+      scratch->lists.emplace_back();
+    }
     ControlledRowLists* lists = &scratch->lists[scratch->inputs.size()];
     scratch->inputs.push_back(ControlledInputFrom(spec, lists));
     entries += ListEntries(*spec.params);
