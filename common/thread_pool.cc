@@ -70,6 +70,15 @@ void ThreadPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) {
       &job));
 }
 
+void ParallelForOrInline(ThreadPool* pool, int64_t n,
+                         absl::FunctionRef<void(int64_t)> fn) {
+  if (pool != nullptr) {
+    pool->ParallelFor(n, fn);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) fn(i);
+}
+
 void ThreadPool::WorkerLoop() {
   for (;;) {
     Job* job;

@@ -52,6 +52,11 @@ class ThreadPool {
   std::vector<std::thread> threads_;
 };
 
+// pool->ParallelFor(n, fn), or fn(0) .. fn(n - 1) on the calling thread
+// where `pool` is null: work its caller judged too small to wake workers for.
+void ParallelForOrInline(ThreadPool* pool, int64_t n,
+                         absl::FunctionRef<void(int64_t)> fn);
+
 }  // namespace flashsampler
 
 #endif  // FLASHSAMPLER_COMMON_THREAD_POOL_H_

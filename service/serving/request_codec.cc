@@ -383,11 +383,7 @@ absl::Status Decode(const v1::SampleRequest& request,
       statuses[r] = DecodeParams(request.row_params(static_cast<int>(r)),
                                  prefixes[r], config, &out->params[r]);
     };
-    if (pool != nullptr) {
-      pool->ParallelFor(rows, decode_row);
-    } else {
-      for (int r = 0; r < rows; ++r) decode_row(r);
-    }
+    ParallelForOrInline(pool, rows, decode_row);
     for (absl::Status& s : statuses) {
       if (!s.ok()) return std::move(s);
     }

@@ -78,8 +78,8 @@ absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
 // (request_wire.h): request.hidden_states().data() is ignored and `data`,
 // views that must outlive `out`, holds them instead. With a `pool`, the
 // rows' controls are decoded on its workers and the calling thread (for
-// requests whose row_params are large enough to gain: ParseSplitRequest's
-// kParallelRowParamsBytes); the result is the same.
+// requests whose row_params are large enough to gain: RowsWorthAPool);
+// the result is the same.
 absl::Status DecodeSampleRequest(const v1::SampleRequest& request,
                                  const std::vector<absl::string_view>& data,
                                  const CodecConfig& config, DecodedRequest* out,

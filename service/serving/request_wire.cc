@@ -4,6 +4,7 @@
 // through as views of the bytes it came in.
 #include "service/serving/request_wire.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -242,23 +243,14 @@ bool ParseSplitRequest(const SplitRequest& split, ThreadPool* pool,
   auto* fields = request->mutable_row_params();
   fields->Reserve(rows);
   for (int i = 0; i < rows; ++i) fields->Add();
-  auto parse = [&](int64_t i) {
-    return ParseViews(split.row_params[static_cast<size_t>(i)],
-                      fields->Mutable(static_cast<int>(i)));
-  };
-  if (pool == nullptr || split.row_params_bytes < kParallelRowParamsBytes) {
-    for (int i = 0; i < rows; ++i) {
-      if (!parse(i)) return false;
-    }
-    return true;
-  }
-  // One flag a row: the rows are parsed on several threads.
+  // One flag a row: the rows may be parsed on several threads.
   std::unique_ptr<bool[]> parsed(new bool[static_cast<size_t>(rows)]);
-  pool->ParallelFor(rows, [&](int64_t i) { parsed[i] = parse(i); });
-  for (int i = 0; i < rows; ++i) {
-    if (!parsed[i]) return false;
-  }
-  return true;
+  ParallelForOrInline(pool, rows, [&](int64_t i) {
+    parsed[i] = ParseViews(split.row_params[static_cast<size_t>(i)],
+                           fields->Mutable(static_cast<int>(i)));
+  });
+  return std::all_of(parsed.get(), parsed.get() + rows,
+                     [](bool ok) { return ok; });
 }
 
 }  // namespace flashsampler

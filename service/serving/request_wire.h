@@ -56,16 +56,23 @@ SplitResult SplitHiddenStates(const std::vector<absl::string_view>& pieces,
 bool ParseViews(const std::vector<absl::string_view>& views,
                 google::protobuf::MessageLite* message);
 
-// Row controls below this many bytes are parsed by the calling thread alone:
-// waking a worker costs tens of microseconds on a virtual machine, and
-// 64 KB of bias entries and penalty histories take protobuf about 0.3 ms.
+// Row controls below this many bytes are parsed and decoded by the calling
+// thread alone: waking a worker costs tens of microseconds on a virtual
+// machine, and 64 KB of bias entries and penalty histories take protobuf
+// about 0.3 ms.
 inline constexpr size_t kParallelRowParamsBytes = 64 << 10;
+
+// True when `split`'s rows hold kParallelRowParamsBytes or more: worth a
+// pool's workers to parse (ParseSplitRequest) and decode.
+inline bool RowsWorthAPool(const SplitRequest& split) {
+  return split.row_params_bytes >= kParallelRowParamsBytes;
+}
 
 // Parses `split` (hidden_states.data aside) into `request`, which must be
 // empty: the rest, then the rows, added in order and parsed on `pool`'s
-// workers and the calling thread when they hold kParallelRowParamsBytes or
-// more (protobuf's arenas take allocations from several threads). False
-// when the bytes are not a valid SampleRequest.
+// workers and the calling thread, or on the calling thread alone where
+// `pool` is null (protobuf's arenas take allocations from several threads).
+// False when the bytes are not a valid SampleRequest.
 bool ParseSplitRequest(const SplitRequest& split, ThreadPool* pool,
                        v1::SampleRequest* request);
 

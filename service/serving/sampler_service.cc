@@ -104,7 +104,9 @@ bool ParseWireRequest(const grpc::ByteBuffer& bytes, ThreadPool* pool,
     }
     if (SplitHiddenStates(pieces, &wire->parts) == SplitResult::kSplit) {
       wire->split = true;
-      return ParseSplitRequest(wire->parts, pool, &wire->request);
+      return ParseSplitRequest(wire->parts,
+                               RowsWorthAPool(wire->parts) ? pool : nullptr,
+                               &wire->request);
     }
   }
   wire->slices.clear();
@@ -116,10 +118,8 @@ absl::Status DecodeWireRequest(const WireRequest& wire,
                                const CodecConfig& codec, ThreadPool* pool,
                                DecodedRequest* decoded) {
   if (!wire.split) return DecodeSampleRequest(wire.request, codec, decoded);
-  // The rows that were worth parsing on the pool are worth decoding there.
-  const bool parallel = wire.parts.row_params_bytes >= kParallelRowParamsBytes;
   return DecodeSampleRequest(wire.request, wire.parts.data, codec, decoded,
-                             parallel ? pool : nullptr);
+                             RowsWorthAPool(wire.parts) ? pool : nullptr);
 }
 
 // Serializes a response; INTERNAL if it cannot be (it always can: the

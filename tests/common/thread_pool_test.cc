@@ -1,6 +1,7 @@
 // ThreadPool::ParallelFor: every index runs exactly once, with or without
 // workers and from several callers at once, and a caller whose pool's
-// workers are all busy with another call still finishes on its own thread.
+// workers are all busy with another call still finishes on its own thread;
+// ParallelForOrInline without a pool stays on the caller.
 #include "common/thread_pool.h"
 
 #include <atomic>
@@ -54,6 +55,23 @@ TEST(ThreadPoolTest, ACallFinishesWhileEveryWorkerIsBusy) {
   EXPECT_EQ(ran.load(), 50);
   second_done.Notify();
   first.join();
+}
+
+// Without a pool every call runs on the calling thread, in order.
+TEST(ThreadPoolTest, ParallelForOrInlineWithoutAPoolRunsOnTheCaller) {
+  std::vector<int64_t> order;
+  const std::thread::id caller = std::this_thread::get_id();
+  bool elsewhere = false;
+  ParallelForOrInline(nullptr, 5, [&](int64_t i) {
+    order.push_back(i);
+    elsewhere = elsewhere || std::this_thread::get_id() != caller;
+  });
+  EXPECT_EQ(order, std::vector<int64_t>({0, 1, 2, 3, 4}));
+  EXPECT_FALSE(elsewhere);
+  ThreadPool pool(2);
+  std::atomic<int> ran{0};
+  ParallelForOrInline(&pool, 40, [&](int64_t) { ++ran; });
+  EXPECT_EQ(ran.load(), 40);
 }
 
 }  // namespace

@@ -139,50 +139,39 @@ void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
                         int first, int end, const SamplingParams& ride_along,
                         ControlledPackScratch* scratch, ControlledPlan* plan,
                         ThreadPool* pool) {
-  // The rows' inputs first, then the rows to add, each an input or a
-  // repeat. An input points into its lists' element buffers, which stay put
-  // when `scratch->lists` grows (the lists are moved, not copied).
+  // Each row an input or a repeat. An input points into its lists' element
+  // buffers, which stay put when `scratch->lists` grows (the lists are
+  // moved, not copied); the rows point at the inputs, which do not move
+  // (reserved for every row).
   scratch->inputs.clear();
+  scratch->inputs.reserve(static_cast<size_t>(end - first));
   scratch->rows.clear();
   size_t entries = 0;
   const SamplingParams* previous = nullptr;
   for (int i = first; i < end; ++i) {
     RowSpec spec = specs[i];
     if (!valid[i]) spec.params = &ride_along;
-    if (previous != nullptr && spec.params == previous) continue;
-    previous = spec.params;
-    if (scratch->inputs.size() == scratch->lists.size()) {
-      scratch->lists.emplace_back();
-    }
-    ControlledRowLists* lists = &scratch->lists[scratch->inputs.size()];
-    scratch->inputs.push_back(ControlledInputFrom(spec, lists));
-    entries += ListEntries(*spec.params);
-  }
-  size_t next_input = 0;
-  previous = nullptr;
-  for (int i = first; i < end; ++i) {
-    const SamplingParams* params = valid[i] ? specs[i].params : &ride_along;
     ControlledPlan::RowToAdd row;
-    if (previous != nullptr && params == previous) {
-      row.seed = specs[i].seed;
-      row.step = specs[i].step;
+    if (previous != nullptr && spec.params == previous) {
+      row.seed = spec.seed;
+      row.step = spec.step;
     } else {
-      row.in = &scratch->inputs[next_input++];
+      if (scratch->inputs.size() == scratch->lists.size()) {
+        scratch->lists.emplace_back();
+      }
+      ControlledRowLists* lists = &scratch->lists[scratch->inputs.size()];
+      scratch->inputs.push_back(ControlledInputFrom(spec, lists));
+      row.in = &scratch->inputs.back();
+      entries += ListEntries(*spec.params);
     }
-    previous = params;
+    previous = spec.params;
     scratch->rows.push_back(row);
   }
-  if (pool != nullptr && entries >= kParallelPackEntries) {
-    plan->AddRows(scratch->rows,
-                  [pool](int64_t n, absl::FunctionRef<void(int64_t)> fn) {
-                    pool->ParallelFor(n, fn);
-                  });
-  } else {
-    plan->AddRows(scratch->rows,
-                  [](int64_t n, absl::FunctionRef<void(int64_t)> fn) {
-                    for (int64_t i = 0; i < n; ++i) fn(i);
-                  });
-  }
+  ThreadPool* merge_pool = entries >= kParallelPackEntries ? pool : nullptr;
+  plan->AddRows(scratch->rows,
+                [merge_pool](int64_t n, absl::FunctionRef<void(int64_t)> fn) {
+                  ParallelForOrInline(merge_pool, n, fn);
+                });
 }
 
 size_t ControlledRowBytesBound(const SamplingParams& p) {
