@@ -8,9 +8,8 @@
 // kernel's unit candidates instead of its logits (the CUDA engine's path for
 // rows whose sets a filter closes; with a bitmask or per-token entries the
 // units rank by token classes; raw logprobs from the units' tails at
-// T = 1, except on bitmask rows, whose tails would hold masked tokens: no
-// units method for them, as the engine takes their logits); its
-// full-pass-rows column is
+// T = 1, on bitmask rows with the bitmasks in the classes, which the engine
+// takes where a batch packs few bitmasks); its full-pass-rows column is
 // the share of rows it could not certify, which the engine samples again
 // from materialized logits. Median of --iters calls after --warmup calls, L2
 // flushed before each (bench_common.h). Writes results_controls.csv into
@@ -487,10 +486,16 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                                      controls.top_p, vocab)
               ? inv_temperature
               : greedy_inv_temperature;
-      // Per-token entries: the units rank by token classes.
+      // Per-token entries: the units rank by token classes; with raw
+      // logprobs on bitmask rows, classes made with the bitmasks (the
+      // engine's where a batch packs at most one bitmask per 4 rows, as a
+      // request's shared params do; rows each with their own take the
+      // logits). Without, the classes leave the bitmask to the merge
+      // kernel, as the engine's do.
       if (controls.everything) units.token_classes = unit_token_classes;
-      // A bitmask row with raw logprobs takes the logits in the engine.
-      const bool units_serve = !(controls.everything && controls.raw_logprobs);
+      units.bitmask_in_classes = controls.everything && controls.raw_logprobs;
+      ControlledSampleParams class_params = params;
+      if (!units.bitmask_in_classes) class_params.bitmask = nullptr;
       auto sample = [&] {
         return LaunchControlledSample(params, controlled_workspace,
                                       controlled_workspace_bytes, stream);
@@ -517,10 +522,10 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       // The units' candidate path; its uncertified rows would take the
       // logits' path as well.
       const std::function<cudaError_t()> units_launch = [&] {
-        cudaError_t error =
-            units.token_classes == nullptr
-                ? cudaSuccess
-                : LaunchUnitTokenClasses(params, unit_token_classes, stream);
+        cudaError_t error = units.token_classes == nullptr
+                                ? cudaSuccess
+                                : LaunchUnitTokenClasses(
+                                      class_params, unit_token_classes, stream);
         if (error == cudaSuccess) {
           error = fused_units(h, batch, units.tail_inv_temperature,
                               units.token_classes);
@@ -533,10 +538,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       if (!time("fused_" + controls.name, logits_launch) ||
           !record_fallback() ||
           !time_interleaved("fused_" + controls.name, logits_launch) ||
-          (units_serve && !time("units_" + controls.name, units_launch)) ||
-          (units_serve && !record_fallback()) ||
-          (units_serve &&
-           !time_interleaved("units_" + controls.name, units_launch)) ||
+          !time("units_" + controls.name, units_launch) || !record_fallback() ||
+          !time_interleaved("units_" + controls.name, units_launch) ||
           !time("sampler_only_" + controls.name, sample) ||
           !time("cublas_" + controls.name,
                 [&] {

@@ -146,6 +146,9 @@ class ControlledPlan {
   }
 
   int rows() const { return static_cast<int>(rows_.size()); }
+  // The bitmasks bytes() holds: one per row added with a bitmask (repeated
+  // rows share theirs).
+  size_t packed_bitmasks() const { return bitmask_rows_.size(); }
   const std::vector<ControlledRow>& row_controls() const { return rows_; }
   const std::vector<int32_t>& special_ids() const { return special_ids_; }
   const std::vector<uint8_t>& special_flags() const { return special_flags_; }

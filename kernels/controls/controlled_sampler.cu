@@ -1354,10 +1354,10 @@ __device__ void DiscardRowRecords(const ControlledUnits& u, int r,
 // gathered, relative to the units' highest raw logit (m.unit_sum_ref).
 // False (in every thread) where the row cannot be certified here: per-token
 // entries the units did not leave out (no token classes), a bitmask on a
-// row whose tail is wanted or whose raw mass is (the units' tails hold
-// masked tokens), a non-finite logit, a maximum not above every bound, a
-// tail summed at another temperature (1 for raw mass), or a closest bin
-// alone over `room`.
+// row whose tail is wanted or whose raw mass is, unless the classes hold
+// the bitmask (else the units' tails hold masked tokens), a non-finite
+// logit, a maximum not above every bound, a tail summed at another
+// temperature (1 for raw mass), or a closest bin alone over `room`.
 // use_min_p and want_tail (top_p that top_k does not bound) are the merge
 // kernel's filters of the row; x_max is the row's
 // largest processed logit (the units' highest key or an entry's), on a
@@ -1378,7 +1378,8 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
   const bool want_sums = want_tail || want_raw_mass;
   const float sum_inv_t = want_raw_mass ? 1.0f : inv_t;
   if ((c.special_begin != c.special_end && !u.token_classes) ||
-      (want_tail && want_raw_mass) || (c.bitmask_offset >= 0 && want_sums) ||
+      (want_tail && want_raw_mass) ||
+      (c.bitmask_offset >= 0 && want_sums && !u.bitmask_in_classes) ||
       unit_bound == kUnitNonFinite || !(top > unit_bound) ||
       (want_sums && (u.tail_inv_temperature == nullptr ||
                      u.tail_inv_temperature[r] != sum_inv_t))) {
@@ -2120,25 +2121,29 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // One block per row: the row's UnitCandidates::token_classes words, every
-// token ranked, then each per-token entry moved from ranked to entry. Rows
-// past `vocab` in the last word have neither bit. The bitmask stays out:
-// the merge kernel leaves masked candidates out of its gather, and the
-// bitmask words (19 KB a row at V = 151936) are packed and copied while the
-// fused kernel runs instead of before it. Classes made with them, the
-// batch's controls packed and copied once before the kernel, made one
-// caller's batch of 64 bitmask rows with raw logprobs take 0.74 ms against
-// 0.65 from the logits (H100; docs/design.md).
+// allowed token ranked (every token where params carries no bitmask for the
+// row), then each per-token entry moved from ranked to entry. Rows past
+// `vocab` in the last word have neither bit. Without the bitmask the merge
+// kernel leaves masked candidates out of its gather, and the bitmask words
+// are copied while the fused kernel runs instead of before it; with it,
+// masked tokens are in no tail either (a top_p tail or the raw logprobs'
+// mass of a bitmask row).
 __global__ void __launch_bounds__(kThreads)
     UnitTokenClassesKernel(const ControlledSampleParams p,
                            uint32_t* __restrict__ classes) {
   const int r = blockIdx.x;
   const ControlledRow c = p.row_controls[r];
   const int64_t words = UnitClassWordsPerRow(p.vocab);
+  const uint32_t* mask = c.bitmask_offset >= 0 && p.bitmask != nullptr
+                             ? p.bitmask + c.bitmask_offset
+                             : nullptr;
   uint32_t* row = classes + r * words;
   for (int64_t j = threadIdx.x; j < words; j += kThreads) {
     uint32_t ranked = 0xffffu;
     const int64_t left = p.vocab - 16 * j;
     if (left < 16) ranked &= (1u << left) - 1u;
+    // Tokens 16 j .. 16 j + 15: half j % 2 of bitmask word j / 2.
+    if (mask != nullptr) ranked &= mask[j >> 1] >> (16 * (j & 1));
     row[j] = ranked;
   }
   __syncthreads();

@@ -57,14 +57,21 @@ struct ControlledUnits {
   // from LaunchUnitTokenClasses over the same rows' entries), or null: a
   // row with per-token entries is then not certified.
   const uint32_t* token_classes = nullptr;
+  // The classes were made with the rows' bitmasks (LaunchUnitTokenClasses
+  // with params.bitmask set): masked tokens are in no unit and no tail, so
+  // a bitmask row's tail masses (top_p that top_k does not bound, raw
+  // logprobs) can be used.
+  bool bitmask_in_classes = false;
 };
 
 // The fused kernel's UnitCandidates::token_classes for params' rows
 // ([rows][UnitClassWordsPerRow(vocab)] at `classes`): every token but each
-// row's per-token entries ranked, the entries' logits kept. Reads params'
-// rows, vocab, row_controls and special_ids alone (not the bitmask: the
-// merge kernel leaves masked candidates out), so that the controls it
-// needs before the fused kernel are the entries, not the bitmask words.
+// row's per-token entries ranked, the entries' logits kept, and where
+// params.bitmask is set, each bitmask row's masked tokens in neither class.
+// Reads params' rows, vocab, row_controls, special_ids and bitmask alone.
+// With params.bitmask null the merge kernel leaves masked candidates out
+// itself, so that the controls needed before the fused kernel can be the
+// entries alone, not the bitmask words (19 KB a row at V = 151936).
 cudaError_t LaunchUnitTokenClasses(const ControlledSampleParams& params,
                                    uint32_t* classes, cudaStream_t stream);
 
@@ -78,8 +85,9 @@ cudaError_t LaunchUnitTokenClasses(const ControlledSampleParams& params,
 // row with per-token entries (bias, bans, penalized ids) is certified here
 // only where the fused kernel ranked by token classes; a row with a
 // bitmask and a tail to sum (top_p that top_k does not bound, raw
-// logprobs: the units' tails hold masked tokens) never is; a row with raw
-// logprobs (the mass of every token at T = 1) only where its
+// logprobs) only where the classes hold the bitmask (else the units' tails
+// hold masked tokens); a row with raw logprobs (the mass of every allowed
+// token at T = 1) only where its
 // tail_inv_temperature is 1 and no top_p tail is wanted (a unit holds one
 // tail). Returns
 // cudaErrorNotSupported where the candidate path cannot run (V > 262144, or

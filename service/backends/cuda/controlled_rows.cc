@@ -26,6 +26,12 @@ size_t ListEntries(const SamplingParams& p) {
   return entries;
 }
 
+// The row's units sum its top_p tail (controls::UnitTailWanted).
+bool TopPTailWanted(const SamplingParams& p, int64_t vocab) {
+  return controls::UnitTailWanted(p.greedy() ? 0.0f : p.temperature, p.top_k,
+                                  p.top_p, vocab);
+}
+
 }  // namespace
 
 bool NeedsControlledSampler(const SamplingParams& p) {
@@ -35,17 +41,17 @@ bool NeedsControlledSampler(const SamplingParams& p) {
 
 bool HasTokenEntries(const SamplingParams& p) { return ListEntries(p) > 0; }
 
+bool NeedsBitmaskInClasses(const SamplingParams& p, int64_t vocab) {
+  return !p.allowed_bitmask.empty() &&
+         ((p.logprobs.any() && p.logprobs.raw) || TopPTailWanted(p, vocab));
+}
+
 bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab) {
-  const bool tail = controls::UnitTailWanted(p.greedy() ? 0.0f : p.temperature,
-                                             p.top_k, p.top_p, vocab);
-  const bool raw = p.logprobs.any() && p.logprobs.raw;
-  // The units' tails hold masked tokens.
-  if (!p.allowed_bitmask.empty() && (tail || raw)) return false;
   if (p.logprobs.any()) {
     if (p.logprobs.raw) {
       // One tail a unit: a top_p tail at 1 / T over the members, or the raw
-      // mass at T = 1 over every token.
-      if (tail) return false;
+      // mass at T = 1 over every allowed token.
+      if (TopPTailWanted(p, vocab)) return false;
       if (p.greedy()) return true;
     } else if (p.greedy()) {
       return false;
@@ -172,6 +178,21 @@ void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
                 [merge_pool](int64_t n, absl::FunctionRef<void(int64_t)> fn) {
                   ParallelForOrInline(merge_pool, n, fn);
                 });
+}
+
+size_t CountPackedBitmasks(const RowSpec* specs, const std::vector<char>& valid,
+                           int first, int end) {
+  size_t count = 0;
+  const SamplingParams* previous = nullptr;  // a refused row's: none
+  for (int i = first; i < end; ++i) {
+    const SamplingParams* params = valid[i] ? specs[i].params : nullptr;
+    if (params != nullptr && params != previous &&
+        !params->allowed_bitmask.empty()) {
+      ++count;
+    }
+    previous = params;
+  }
+  return count;
 }
 
 size_t ControlledRowBytesBound(const SamplingParams& p) {

@@ -67,12 +67,17 @@ bool NeedsControlledSampler(const SamplingParams& p);
 // logprobs (every token's mass at T = 1, from the units' tails).
 // Processed logprobs of a greedy row (over every token) need the logits,
 // and so does a sampled row with transforms and no such filter, whose open
-// set the units would rarely certify, a row with raw logprobs and a top_p
-// that top_k does not bound (a unit has one tail: the top_p mass or the raw
-// mass), and a bitmask row with either (the units' tails hold masked
-// tokens; token classes made with the bitmasks would need them packed and
-// copied before the fused kernel, not while it runs).
+// set the units would rarely certify, and a row with raw logprobs and a
+// top_p that top_k does not bound (a unit has one tail: the top_p mass or
+// the raw mass). A bitmask row whose tails are summed (NeedsBitmaskInClasses)
+// is served where the batch's token classes hold the bitmasks.
 bool ServedFromUnitCandidates(const SamplingParams& p, int64_t vocab);
+
+// True when the row's units must leave its masked tokens out of their tails:
+// a bitmask, and raw logprobs (the mass of every allowed token at T = 1) or a
+// top_p that top_k does not bound. The batch's token classes are then made
+// with the bitmasks, which go to the GPU before the fused kernel.
+bool NeedsBitmaskInClasses(const SamplingParams& p, int64_t vocab);
 
 // True when the row has per-token entries (logit_bias, banned ids, prompt
 // ids under a repetition penalty, output counts): the units leave those
@@ -126,6 +131,13 @@ void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
                         int first, int end, const SamplingParams& ride_along,
                         ControlledPackScratch* scratch, ControlledPlan* plan,
                         ThreadPool* pool = nullptr);
+
+// The bitmasks PackControlledRows would pack for rows [first, end) (its
+// plan's packed_bitmasks()): one per valid row with a bitmask whose params
+// are not the row before's. Reads the specs alone, so that a batch can be
+// routed by it before it is packed.
+size_t CountPackedBitmasks(const RowSpec* specs, const std::vector<char>& valid,
+                           int first, int end);
 
 // Upper bound of the bytes a row adds to ControlledPlan::bytes() (its
 // ControlledRow, 13 bytes per list entry before merging, its bitmask),

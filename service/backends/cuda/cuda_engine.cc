@@ -20,7 +20,9 @@
 // can serve (ServedFromUnitCandidates) writes only each 32-token unit's
 // highest logits instead (FusedSampleParams::unit_candidates; with
 // per-token entries, ranked by the rows' token classes, the entries' logits
-// written alone), and the controlled sampler's candidate
+// written alone; with bitmask rows whose tails are summed, by classes that
+// leave the masked tokens out, where the batch packs few bitmasks:
+// kRowsPerPackedBitmask), and the controlled sampler's candidate
 // path samples from them; a batch with a row it cannot certify then takes
 // the materialized path above.
 #include "service/backends/cuda/cuda_engine.h"
@@ -91,6 +93,18 @@ constexpr int kUnitCandidatesPauseBatches = 16;
 // 151936) are packed and copied while the kernel runs. A batch with more
 // takes its logits.
 constexpr size_t kUnitEntryPlanBytes = size_t{4} << 20;
+
+// A batch with bitmask rows whose tails the units sum (raw logprobs, or
+// top_p that top_k does not bound: NeedsBitmaskInClasses) copies its whole
+// packed controls before the fused kernel, so that the token classes leave
+// masked tokens out of every unit and tail; each packed bitmask (19 KB at
+// V = 151936) then costs about 1.6 us of packing and copying on an H100
+// host before the kernel starts, where the units save each row of the batch
+// 0.7-1.0 us of GPU time against its logits (everything with raw logprobs,
+// qwen, B = 16..256). So the units take such a batch only where it packs
+// at most one bitmask per this many rows (a request's shared params pack
+// one); rows each with their own bitmask keep the logits.
+constexpr int kRowsPerPackedBitmask = 4;
 
 // The controls of a row riding in a controlled launch whose outputs are not
 // used (a refused row, or one that keeps stage 1's tokens): greedy, which
@@ -211,8 +225,9 @@ struct Slot {
   uint32_t* unit_row_maxima = nullptr;
   // [max_batch_rows, UnitClassWordsPerRow(V)]: the token classes the units
   // rank by in a batch with per-token entries (their entries' logits land
-  // in `logits`), and the rows and entries of the controls they are made
-  // from (kUnitEntryPlanBytes, pinned and device).
+  // in `logits`) or with bitmask rows whose tails are summed, and the rows
+  // and entries of the controls they are made from (kUnitEntryPlanBytes,
+  // pinned and device; with the bitmasks, the whole plan at device_plan).
   uint32_t* unit_token_classes = nullptr;
   void* host_entry_plan = nullptr;
   void* device_entry_plan = nullptr;
@@ -299,6 +314,11 @@ class CudaEngine final : public Engine {
                              absl::string_view what);
   // What stage 1 writes besides its tokens.
   enum class Stage1Output { kTokens, kLogits, kUnits, kClassifiedUnits };
+  // What slot.plan holds of a controlled batch before RunControlled: nothing
+  // yet (it packs), every row packed, or every row packed and its copy to
+  // device_plan queued before the fused kernel (the bitmasks in the token
+  // classes).
+  enum class PlanState { kEmpty, kPacked, kUploaded };
   // Stage 1 over rows [first_row, first_row + rows); kLogits also makes it
   // write the fp32 logits (the materialized path), kUnits the unit
   // candidates (one GPU), kClassifiedUnits those ranked by the slot's token
@@ -336,26 +356,35 @@ class CudaEngine final : public Engine {
   // From unit candidates the sampler takes the candidate path over them
   // instead (LaunchControlledSampleFromUnits; kClassifiedUnits: ranked by
   // the slot's token classes); rows it cannot certify come back with
-  // certified = 0 and nothing else. `packed`: slot.plan already holds the
-  // batch's every row (PrepareTokenClasses), to be taken as it is where
-  // they fit one chunk.
+  // certified = 0 and nothing else. `plan`: what slot.plan holds of the
+  // batch already (PrepareTokenClasses).
   absl::Status RunControlled(Slot& slot, const BatchView& batch,
                              const std::vector<char>& valid, int max_samples,
-                             int max_top_n, Stage1Output stage1, bool packed,
+                             int max_top_n, Stage1Output stage1, PlanState plan,
                              ControlledOutputLayout* layout);
   // Packs rows [first, end)'s controls into slot.plan (cleared first), a
   // refused row as a ride-along row.
   void PackControls(Slot& slot, const BatchView& batch,
                     const std::vector<char>& valid, int first, int end);
-  // Before stage 1 of a batch with per-token entries served from unit
-  // candidates: packs the batch's controls (kept in slot.plan for the
-  // sampler), uploads their rows and entries alone (the bitmasks follow
-  // beside the fused kernel) and queues the token classes' kernel. False
-  // in *classified where those exceed kUnitEntryPlanBytes (the batch then
-  // takes its logits).
+  // Packs rows [first, end) (unless `packed`: slot.plan holds them) and
+  // queues their copy to device_plan: on the copy stream beside stage 1,
+  // which rank 0's stream waits for before the sampler, or (a later
+  // chunk) on rank 0's stream after the previous chunk's sampler.
+  absl::Status UploadControls(Slot& slot, const BatchView& batch,
+                              const std::vector<char>& valid, int first,
+                              int end, bool packed, bool beside);
+  // Before stage 1 of a batch served from unit candidates with per-token
+  // entries, or with bitmask rows whose tails are summed (with_bitmask):
+  // packs the batch's controls (kept in slot.plan for the sampler), uploads
+  // their rows and entries alone (the bitmasks follow beside the fused
+  // kernel), or with_bitmask all of them, and queues the token classes'
+  // kernel. False in *classified where those exceed kUnitEntryPlanBytes, or
+  // with_bitmask the staging (the batch then takes its logits). *plan says
+  // what slot.plan holds.
   absl::Status PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                    const std::vector<char>& valid,
-                                   bool* classified);
+                                   bool with_bitmask, bool* classified,
+                                   PlanState* plan);
   // Reads the controlled sampler's outputs (in the slot's pinned buffer) into
   // `results` for the valid rows.
   absl::Status CollectControlled(Slot& slot, const BatchView& batch,
@@ -1042,7 +1071,9 @@ void CudaEngine::PackControls(Slot& slot, const BatchView& batch,
 
 absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                              const std::vector<char>& valid,
-                                             bool* classified) {
+                                             bool with_bitmask,
+                                             bool* classified,
+                                             PlanState* plan) {
   *classified = false;
   // Packed once for the classes and the sampler (RunControlled takes it as
   // it is where the batch's controls fit one chunk): packed again after
@@ -1050,29 +1081,85 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
   // bitmask, 64 bias entries and 128 penalized ids took 3.84-4.10 ms
   // against 2.64-2.89 (H100, one caller, two alternating rounds).
   PackControls(slot, batch, valid, 0, batch.rows);
-  const size_t bytes = slot.plan.rows_and_entries_byte_size();
-  if (bytes > kUnitEntryPlanBytes) return absl::OkStatus();
-  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-  slot.plan.WriteRowsAndEntries(slot.host_entry_plan);
-  FS_RETURN_IF_ERROR(
-      Check(cudaMemcpyAsync(slot.device_entry_plan, slot.host_entry_plan, bytes,
-                            cudaMemcpyHostToDevice, slot.ranks[0].stream),
-            "cudaMemcpyAsync(entries)"));
+  *plan = PlanState::kPacked;
   ControlledSampleParams params;
-  slot.plan.BindInputs(slot.device_entry_plan, info_.vocab_size, &params);
-  params.bitmask = nullptr;  // not copied here, and not read by the classes
-  FS_RETURN_IF_ERROR(
-      Check(LaunchUnitTokenClasses(params, slot.unit_token_classes,
-                                   slot.ranks[0].stream),
-            "LaunchUnitTokenClasses"));
+  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+  SlotRank& root = slot.ranks[0];
+  if (with_bitmask) {
+    const size_t bytes = slot.plan.byte_size();
+    if (bytes > kControlledPlanBudgetBytes) return absl::OkStatus();
+    // Every control, the bitmasks too, before the classes' kernel: on the
+    // copy stream, so that the copy does not queue behind the other slot's
+    // sampler, which root.stream may wait for.
+    slot.plan.WriteBytes(slot.host_plan);
+    FS_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
+                              cudaMemcpyHostToDevice, slot.controls_stream),
+              "cudaMemcpyAsync(controls)"));
+    FS_RETURN_IF_ERROR(
+        Check(cudaEventRecord(slot.controls_copied, slot.controls_stream),
+              "cudaEventRecord"));
+    FS_RETURN_IF_ERROR(
+        Check(cudaStreamWaitEvent(root.stream, slot.controls_copied, 0),
+              "cudaStreamWaitEvent"));
+    slot.plan.BindInputs(slot.device_plan, info_.vocab_size, &params);
+    *plan = PlanState::kUploaded;
+  } else {
+    const size_t bytes = slot.plan.rows_and_entries_byte_size();
+    if (bytes > kUnitEntryPlanBytes) return absl::OkStatus();
+    slot.plan.WriteRowsAndEntries(slot.host_entry_plan);
+    FS_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(slot.device_entry_plan, slot.host_entry_plan,
+                              bytes, cudaMemcpyHostToDevice, root.stream),
+              "cudaMemcpyAsync(entries)"));
+    slot.plan.BindInputs(slot.device_entry_plan, info_.vocab_size, &params);
+    params.bitmask = nullptr;  // not copied here: the merge kernel's
+  }
+  FS_RETURN_IF_ERROR(Check(
+      LaunchUnitTokenClasses(params, slot.unit_token_classes, root.stream),
+      "LaunchUnitTokenClasses"));
   *classified = true;
   return absl::OkStatus();
+}
+
+absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
+                                        const std::vector<char>& valid,
+                                        int first, int end, bool packed,
+                                        bool beside) {
+  if (!packed) PackControls(slot, batch, valid, first, end);
+  const size_t bytes = slot.plan.byte_size();
+  if (bytes > kControlledPlanBudgetBytes) {
+    // SplitRowsByBudget's bounds make this unreachable.
+    return absl::InternalError(
+        absl::StrCat("packed controls of ", bytes, " bytes exceed the ",
+                     kControlledPlanBudgetBytes, "-byte staging"));
+  }
+  slot.plan.WriteBytes(slot.host_plan);
+  // The first chunk's copy runs beside the fused kernel, not after it: a
+  // batch's bitmasks are 19 KB a row at V = 151936 (1.2 MB at 64 rows).
+  // One caller of 64 rows with a bitmask and raw logprobs: batch
+  // execution 0.65 against 0.69-0.70 ms (H100, two alternating rounds).
+  // Nothing else of this batch reads device_plan before the sampler, and
+  // the slot's previous batch has finished; a later chunk's copy follows
+  // the previous chunk's sampler, which read device_plan, on root.stream.
+  SlotRank& root = slot.ranks[0];
+  FS_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
+                            cudaMemcpyHostToDevice,
+                            beside ? slot.controls_stream : root.stream),
+            "cudaMemcpyAsync(controls)"));
+  if (!beside) return absl::OkStatus();
+  FS_RETURN_IF_ERROR(
+      Check(cudaEventRecord(slot.controls_copied, slot.controls_stream),
+            "cudaEventRecord"));
+  return Check(cudaStreamWaitEvent(root.stream, slot.controls_copied, 0),
+               "cudaStreamWaitEvent");
 }
 
 absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
                                        const std::vector<char>& valid,
                                        int max_samples, int max_top_n,
-                                       Stage1Output stage1, bool packed,
+                                       Stage1Output stage1, PlanState plan,
                                        ControlledOutputLayout* layout) {
   const bool from_units = stage1 == Stage1Output::kUnits ||
                           stage1 == Stage1Output::kClassifiedUnits;
@@ -1121,8 +1208,11 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
         valid[i] ? ControlledRowBytesBound(*batch.specs[i].params)
                  : ControlledRowBytesBound(ride_along_params_));
   }
+  // An uploaded plan fits the staging whole (PrepareTokenClasses).
   const std::vector<std::pair<int, int>> chunks =
-      SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
+      plan == PlanState::kUploaded
+          ? std::vector<std::pair<int, int>>{{0, batch.rows}}
+          : SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
   for (size_t c = 0; c < chunks.size(); ++c) {
     const int first = chunks[c].first;
     const int end = chunks[c].second;
@@ -1131,37 +1221,11 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(
           Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
     }
-    if (!(chunks.size() == 1 && packed)) {
-      PackControls(slot, batch, valid, first, end);
-    }
-    const size_t bytes = slot.plan.byte_size();
-    if (bytes > kControlledPlanBudgetBytes) {
-      // SplitRowsByBudget's bounds make this unreachable.
-      return absl::InternalError(
-          absl::StrCat("packed controls of ", bytes, " bytes exceed the ",
-                       kControlledPlanBudgetBytes, "-byte staging"));
-    }
-    slot.plan.WriteBytes(slot.host_plan);
-    // The first chunk's copy runs beside the fused kernel, not after it: a
-    // batch's bitmasks are 19 KB a row at V = 151936 (1.2 MB at 64 rows).
-    // One caller of 64 rows with a bitmask and raw logprobs: batch
-    // execution 0.65 against 0.69-0.70 ms (H100, two alternating rounds).
-    // Nothing else of this batch reads device_plan before the sampler, and
-    // the slot's previous batch has finished; a later chunk's copy follows
-    // the previous chunk's sampler, which read device_plan, on root.stream.
-    const bool beside = c == 0;
-    FS_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
-                              cudaMemcpyHostToDevice,
-                              beside ? slot.controls_stream : root.stream),
-              "cudaMemcpyAsync(controls)"));
-    if (beside) {
+    if (plan != PlanState::kUploaded) {
       FS_RETURN_IF_ERROR(
-          Check(cudaEventRecord(slot.controls_copied, slot.controls_stream),
-                "cudaEventRecord"));
-      FS_RETURN_IF_ERROR(
-          Check(cudaStreamWaitEvent(root.stream, slot.controls_copied, 0),
-                "cudaStreamWaitEvent"));
+          UploadControls(slot, batch, valid, first, end,
+                         chunks.size() == 1 && plan == PlanState::kPacked,
+                         /*beside=*/c == 0));
     }
     ControlledSampleParams params;
     slot.plan.BindInputs(slot.device_plan, vocab, &params);
@@ -1211,6 +1275,7 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       if (stage1 == Stage1Output::kClassifiedUnits) {
         units.token_classes =
             slot.unit_token_classes + at * UnitClassWordsPerRow(vocab);
+        units.bitmask_in_classes = plan == PlanState::kUploaded;
       }
       FS_RETURN_IF_ERROR(
           Check(LaunchControlledSampleFromUnits(params, units, workspace,
@@ -1498,19 +1563,31 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     unit_pause_batches_.fetch_sub(1, std::memory_order_relaxed);
     from_units = false;
   }
-  // Per-token entries: the units rank by token classes.
+  // Per-token entries, and bitmask rows whose tails are summed: the units
+  // rank by token classes.
   bool classified = false;
-  bool packed = false;  // slot.plan holds the batch (PrepareTokenClasses)
+  PlanState plan = PlanState::kEmpty;
   if (from_units) {
     bool entries = false;
+    bool masked_tails = false;
     for (int i = 0; i < batch.rows; ++i) {
-      entries = entries ||
-                (by_controls[i] && HasTokenEntries(*batch.specs[i].params));
+      if (!by_controls[i]) continue;
+      const SamplingParams& p = *batch.specs[i].params;
+      entries = entries || HasTokenEntries(p);
+      masked_tails = masked_tails || NeedsBitmaskInClasses(p, info_.vocab_size);
     }
-    if (entries) {
-      FS_RETURN_IF_ERROR(
-          PrepareTokenClasses(slot, batch, by_controls, &classified));
-      packed = true;
+    // Decided before packing: a batch that takes its logits packs its
+    // controls after the fused kernel's launch, not before it (64 rows each
+    // with their own bitmask, 64 bias entries and 128 penalized ids:
+    // execution 0.91 against 0.70 ms packed before; H100, one caller).
+    if (masked_tails &&
+        CountPackedBitmasks(batch.specs, by_controls, 0, batch.rows) *
+                kRowsPerPackedBitmask >
+            static_cast<size_t>(batch.rows)) {
+      from_units = false;
+    } else if (entries || masked_tails) {
+      FS_RETURN_IF_ERROR(PrepareTokenClasses(slot, batch, by_controls,
+                                             masked_tails, &classified, &plan));
       from_units = classified;
     }
   }
@@ -1526,7 +1603,7 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
   FS_RETURN_IF_ERROR(
       LaunchBatchStage1(slot, batch.rows, stage1_samples, stage1));
   FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
-                                   max_top_n, stage1, packed, &layout));
+                                   max_top_n, stage1, plan, &layout));
   bool keeps_stage1 = false;
   for (int i = 0; i < batch.rows; ++i) {
     keeps_stage1 =
@@ -1560,7 +1637,7 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(EnqueueStage1(slot, batch.rows, stage1_samples,
                                        Stage1Output::kLogits));
       FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
-                                       max_top_n, Stage1Output::kLogits, packed,
+                                       max_top_n, Stage1Output::kLogits, plan,
                                        &layout));
       FS_RETURN_IF_ERROR(WaitForBatch(slot));
     }

@@ -47,9 +47,9 @@ struct CudaEngineOptions {
   // batch enqueues them one by one (the tests compare the two).
   bool replay_graphs = true;
   // One GPU with the wgmma kernel (sm_90): a controlled batch whose
-  // controlled rows the units can serve (ServedFromUnitCandidates: no raw
-  // logprobs, and a filter that closes the set where there are per-token
-  // transforms or logprobs) takes its candidates from the fused kernel
+  // controlled rows the units can serve (ServedFromUnitCandidates: a filter
+  // that closes the set where there are per-token transforms or logprobs,
+  // and one tail a unit) takes its candidates from the fused kernel
   // (FusedSampleParams::unit_candidates, 1 byte a token) instead of its
   // fp32 logits (4 bytes a token); a batch with a row those cannot certify
   // is sampled again from materialized logits. Off: every controlled batch

@@ -176,17 +176,31 @@ TEST(ControlledRowsTest, UnitCandidatesServeClosedSetsAndGreedyRows) {
     EXPECT_TRUE(ServedFromUnitCandidates(served[i], kVocab)) << i;
     for (int filter = 0; filter < 3; ++filter) {
       // Each filter closes the set alone; but top_p alone sums the units'
-      // tails at 1 / T, which hold a bitmask's masked tokens and which a
-      // raw row's mass at T = 1 cannot share.
+      // tails at 1 / T, which a raw row's mass at T = 1 cannot share, and
+      // which leave a bitmask's masked tokens out only where the token
+      // classes hold the bitmask.
       SamplingParams one = served[i];
       one.top_k = filter == 0 ? 50 : 0;
       one.top_p = filter == 1 ? 0.9f : 1.0f;
       one.min_p = filter == 2 ? 0.05f : 0.0f;
-      EXPECT_EQ(ServedFromUnitCandidates(one, kVocab),
-                !((i == 2 || i == 8) && filter == 1))
+      EXPECT_EQ(ServedFromUnitCandidates(one, kVocab), !(i == 8 && filter == 1))
+          << i << " " << filter;
+      EXPECT_EQ(NeedsBitmaskInClasses(one, kVocab), i == 2 && filter == 1)
           << i << " " << filter;
     }
   }
+  // Raw logprobs on a bitmask row: the units' raw mass must leave the
+  // masked tokens out, whatever the filters.
+  SamplingParams masked_raw = served[2];
+  masked_raw.logprobs.top_n = 2;
+  masked_raw.logprobs.raw = true;
+  EXPECT_TRUE(ServedFromUnitCandidates(masked_raw, kVocab));
+  EXPECT_TRUE(NeedsBitmaskInClasses(masked_raw, kVocab));
+  masked_raw.logprobs.raw = false;  // processed: over the survivors alone
+  EXPECT_FALSE(NeedsBitmaskInClasses(masked_raw, kVocab));
+  masked_raw.logprobs.raw = true;
+  masked_raw.allowed_bitmask.clear();
+  EXPECT_FALSE(NeedsBitmaskInClasses(masked_raw, kVocab));
   // Entries: bias, bans, prompt ids under a repetition penalty, output
   // counts; not a bitmask, nor a penalty without ids.
   for (size_t i = 0; i < served.size(); ++i) {
@@ -233,7 +247,8 @@ TEST(ControlledRowsTest, UnitCandidatesServeClosedSetsAndGreedyRows) {
   need_logits[3].logit_bias = {{1, 2.0f}};
   need_logits[4].logprobs.sampled = true;
   need_logits[5].allowed_bitmask.assign(32, ~0u);
-  // Raw logprobs with a bitmask: the units' tails hold masked tokens.
+  // Raw logprobs with a bitmask and top_p alone: one tail a unit.
+  need_logits[6].top_k = 0;
   need_logits[6].logprobs.top_n = 2;
   need_logits[6].logprobs.raw = true;
   need_logits[6].allowed_bitmask.assign(32, ~0u);
@@ -378,6 +393,17 @@ TEST(ControlledRowsTest, RowsOfOneParamsShareTheirPackedControls) {
   // the two ride-alongs (no bitmask), other, broadcast.
   EXPECT_EQ(shared.bitmask().size(), 6 * words);
   EXPECT_EQ(fresh.bitmask().size(), 8 * words);
+  // Counted from the specs alone, as the engine routes a batch before it
+  // packs: the plan's count, and a chunk's.
+  EXPECT_EQ(shared.packed_bitmasks(), 6u);
+  EXPECT_EQ(CountPackedBitmasks(specs.data(), valid, 0,
+                                static_cast<int>(specs.size())),
+            6u);
+  EXPECT_EQ(CountPackedBitmasks(specs.data(), valid, 1, 3), 1u);
+  EXPECT_EQ(CountPackedBitmasks(specs.data(), valid, 5, 9), 2u);
+  ControlledPlan chunk;
+  PackControlledRows(specs.data(), valid, 5, 9, ride_along, &scratch, &chunk);
+  EXPECT_EQ(chunk.packed_bitmasks(), 2u);
   const std::vector<uint32_t> shared_words = shared.bitmask();
   const std::vector<uint32_t> fresh_words = fresh.bitmask();
   for (int r = 0; r < shared.rows(); ++r) {

@@ -554,9 +554,12 @@ TEST_F(CudaEngineGpuTest, UnitCandidatesGiveTheTokensOfMaterializedLogits) {
 // logsumexps and top lists as from materialized logits, row for row; a
 // greedy row with entries, an entry biased above the row's maximum, a
 // bitmask row and a top_p row whose tail excludes its entries among them;
-// at least 90% of the controlled rows certified from the units. A batch
-// with a raw-logprobs row, or with a bitmask on a row whose top_p top_k
-// does not bound, takes the logits at once.
+// at least 90% of the controlled rows certified from the units. Raw
+// logprobs, and top_p that top_k does not bound, on a bitmask row need
+// token classes made with the bitmasks, copied before the fused kernel: a
+// batch of rows that each pack their own bitmask (more than one per 4
+// rows) takes the logits at once, a batch whose rows share one (a
+// request's params) takes the units.
 TEST_F(CudaEngineGpuTest,
        UnitsRankedByTokenClassesGiveTheRowsOfMaterializedLogits) {
   struct Shape {
@@ -648,19 +651,21 @@ TEST_F(CudaEngineGpuTest,
     std::uniform_real_distribution<float> peaked(-22.0f * scale, 22.0f * scale);
     int controlled_rows = 0;
     int served_rows = 0;
-    for (int round = 0; round < 8; ++round) {
+    for (int round = 0; round < 10; ++round) {
       // Rounds 3, 5 and 6 add a row with raw logprobs, whose mass at T = 1
       // the units' tails hold: top_k 40 with the top 3, everything but the
       // bitmask with ranks, and a greedy row. Rounds 4 and 7 add a bitmask
-      // row with a tail (top_p alone; everything with raw logprobs), whose
-      // units' tails would hold masked tokens: the whole batch takes the
-      // logits.
+      // row with a tail (top_p alone; everything with raw logprobs) to rows
+      // whose bitmasks are packed one by one (a quarter of the rows carry
+      // one each): the whole batch takes the logits. Rounds 8 and 9 give
+      // every row the same such params, one packed bitmask: the units, with
+      // the bitmask in the classes.
       SamplingParams raw = params[7];
       raw.logprobs.raw = true;
-      if (round == 4) {
+      if (round == 4 || round == 9) {
         raw = params[1];
         raw.top_k = 0;
-      } else if (round == 5 || round == 7) {
+      } else if (round == 5 || round == 7 || round == 8) {
         raw = params[0];
         raw.logprobs.raw = true;
         if (round == 5) raw.allowed_bitmask.clear();
@@ -678,7 +683,8 @@ TEST_F(CudaEngineGpuTest,
           hidden[static_cast<size_t>(i) * hidden_size + d] =
               Bf16ToFloat(FloatToBf16(peaked(rng)));
         }
-        specs[i].params = round >= 3 && i == rows - 1 ? &raw : &params[i % 8];
+        specs[i].params =
+            round >= 8 || (round >= 3 && i == rows - 1) ? &raw : &params[i % 8];
         specs[i].seed = rng();
         specs[i].step = rng() % 100000;
       }
@@ -724,7 +730,7 @@ TEST_F(CudaEngineGpuTest,
           EXPECT_LE(a.top_token_ids.size(), 5u) << row;
           EXPECT_EQ(a.sampled_logprobs.size(), 1u) << row;
         }
-        if (units_batch && i % 8 != 6) {
+        if (units_batch && specs[i].params != &params[6]) {
           ++controlled_rows;
           served_rows += a.exact_fallback == nullptr;
           if (a.exact_fallback != nullptr) {
