@@ -116,8 +116,8 @@ struct ControlledPackScratch {
 
 // Rows whose list entries number fewer than this in all are merged on the
 // calling thread alone: waking a worker costs tens of microseconds on a
-// virtual machine, and 4096 entries merge in 50-280 us on one core of a
-// development host (ids in ascending order to random ids).
+// virtual machine, and 4096 entries merge in 80-110 us on one core of a
+// development host (random ids).
 inline constexpr size_t kParallelPackEntries = 4096;
 
 // Adds rows [first, end) of `specs` to `plan` in order. A refused row

@@ -252,11 +252,19 @@ struct Slot {
 };
 
 // Workers that help a slot's thread merge its batch's per-token entries
-// (PackControlledRows). A batch of 256 rows each with its own 64 bias
-// entries and 128 penalized ids merges them before the fused kernel; with
-// four threads the merge no longer sets the batch's pace. The slots share
-// them.
+// (PackControlledRows) and copy its bitmasks into the pinned staging
+// (WriteControls). A batch of 256 rows each with its own 64 bias entries
+// and 128 penalized ids merges them before the fused kernel; with four
+// threads the merge no longer sets the batch's pace. The slots share them.
 constexpr int kPackWorkers = 3;
+
+// Bitmasks a batch's staging copy takes from this many on the pack pool.
+// The copy runs beside the fused kernel (0.42 ms and more on an H100) and
+// sets the batch's pace only once it takes longer: 256 bitmasks (4.9 MB at
+// V = 151936) did, one caller's batch of 256 rows with their own bitmasks
+// and raw logprobs executing in 1.78-1.80 ms copied on the pool against
+// 2.05-2.43 on the slot's thread, where at 64 the pool gained nothing.
+constexpr size_t kParallelCopyBitmasks = 128;
 
 class CudaEngine final : public Engine {
  public:
@@ -366,6 +374,9 @@ class CudaEngine final : public Engine {
   // refused row as a ride-along row.
   void PackControls(Slot& slot, const BatchView& batch,
                     const std::vector<char>& valid, int first, int end);
+  // slot.plan's bytes into slot.host_plan, the bitmasks on the pack pool
+  // from kParallelCopyBitmasks on.
+  void WriteControls(Slot& slot);
   // Packs rows [first, end) (unless `packed`: slot.plan holds them) and
   // queues their copy to device_plan: on the copy stream beside stage 1,
   // which rank 0's stream waits for before the sampler, or (a later
@@ -1069,6 +1080,16 @@ void CudaEngine::PackControls(Slot& slot, const BatchView& batch,
                      &slot.pack_scratch, &slot.plan, &pack_pool_);
 }
 
+void CudaEngine::WriteControls(Slot& slot) {
+  ThreadPool* pool = slot.plan.packed_bitmasks() >= kParallelCopyBitmasks
+                         ? &pack_pool_
+                         : nullptr;
+  slot.plan.WriteBytes(slot.host_plan, [pool](size_t n, const auto& copy) {
+    ParallelForOrInline(pool, static_cast<int64_t>(n),
+                        [&copy](int64_t i) { copy(static_cast<size_t>(i)); });
+  });
+}
+
 absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                              const std::vector<char>& valid,
                                              bool with_bitmask,
@@ -1091,7 +1112,7 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
     // Every control, the bitmasks too, before the classes' kernel: on the
     // copy stream, so that the copy does not queue behind the other slot's
     // sampler, which root.stream may wait for.
-    slot.plan.WriteBytes(slot.host_plan);
+    WriteControls(slot);
     FS_RETURN_IF_ERROR(
         Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
                               cudaMemcpyHostToDevice, slot.controls_stream),
@@ -1134,7 +1155,7 @@ absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
         absl::StrCat("packed controls of ", bytes, " bytes exceed the ",
                      kControlledPlanBudgetBytes, "-byte staging"));
   }
-  slot.plan.WriteBytes(slot.host_plan);
+  WriteControls(slot);
   // The first chunk's copy runs beside the fused kernel, not after it: a
   // batch's bitmasks are 19 KB a row at V = 151936 (1.2 MB at 64 rows).
   // One caller of 64 rows with a bitmask and raw logprobs: batch

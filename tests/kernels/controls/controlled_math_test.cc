@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -280,14 +281,14 @@ TEST(ControlledMathTest, RadixCutsEqualSortedCuts) {
   }
 }
 
-TEST(ControlledPlanTest, MergesListsLikeTheCpuPlan) {
+// A row's input pointing into the lists (which must outlive it).
+ControlledRowInput InputOfLists(const std::vector<int32_t>& bias_ids,
+                                const std::vector<float>& bias_values,
+                                const std::vector<int32_t>& banned,
+                                const std::vector<int32_t>& prompt,
+                                const std::vector<int32_t>& output_ids,
+                                const std::vector<int32_t>& output_counts) {
   ControlledRowInput in;
-  const std::vector<int32_t> bias_ids = {7, 3, 7, 9};
-  const std::vector<float> bias_values = {0.1f, -1.0f, 0.2f, 0.5f};
-  const std::vector<int32_t> banned = {9, 2};
-  const std::vector<int32_t> prompt = {3, 5, 5};
-  const std::vector<int32_t> output_ids = {5, 11, 5, 12};
-  const std::vector<int32_t> output_counts = {2, 0, 1, 3};
   in.bias_ids = bias_ids.data();
   in.bias_values = bias_values.data();
   in.num_bias = bias_ids.size();
@@ -298,6 +299,18 @@ TEST(ControlledPlanTest, MergesListsLikeTheCpuPlan) {
   in.output_ids = output_ids.data();
   in.output_counts = output_counts.data();
   in.num_output = output_ids.size();
+  return in;
+}
+
+TEST(ControlledPlanTest, MergesListsLikeTheCpuPlan) {
+  const std::vector<int32_t> bias_ids = {7, 3, 7, 9};
+  const std::vector<float> bias_values = {0.1f, -1.0f, 0.2f, 0.5f};
+  const std::vector<int32_t> banned = {9, 2};
+  const std::vector<int32_t> prompt = {3, 5, 5};
+  const std::vector<int32_t> output_ids = {5, 11, 5, 12};
+  const std::vector<int32_t> output_counts = {2, 0, 1, 3};
+  ControlledRowInput in = InputOfLists(bias_ids, bias_values, banned, prompt,
+                                       output_ids, output_counts);
   in.repetition_penalty = 1.2f;
   in.min_p = 0.1f;
   ControlledPlan plan;
@@ -331,6 +344,82 @@ TEST(ControlledPlanTest, MergesListsLikeTheCpuPlan) {
   EXPECT_EQ(plan.special_flags()[at(r1, 5)], 0);
   EXPECT_EQ(plan.special_count()[at(r1, 5)], 3);
   EXPECT_EQ(plan.bytes().size() % 256, 0u);
+}
+
+// Rows with enough keys for the radix sort: each id's entry is what its
+// list entries give in list order (the bias an fp32 sum in bias-list order,
+// repeated, banned, the output counts summed), ids ascending, for ids of up
+// to 14, 18, 24 and 31 bits (one to four 8-bit passes), with repeats
+// within and across the lists.
+TEST(ControlledPlanTest, ManyKeysMergeAsTheListsSay) {
+  std::mt19937 rng(5);
+  for (int32_t limit : {1 << 14, 151936, 1 << 24, 0x7fffffff}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      const int32_t top = trial % 2 == 0 ? limit : 97;  // many repeats
+      std::uniform_int_distribution<int32_t> id(0, top - 1);
+      std::uniform_int_distribution<int> size(0, 80);
+      std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+      std::vector<int32_t> bias_ids(size(rng));
+      std::vector<float> bias_values(bias_ids.size());
+      std::vector<int32_t> banned(size(rng) / 8);
+      std::vector<int32_t> prompt(size(rng));
+      std::vector<int32_t> output_ids(size(rng));
+      std::vector<int32_t> output_counts(output_ids.size());
+      for (size_t i = 0; i < bias_ids.size(); ++i) {
+        bias_ids[i] = id(rng);
+        bias_values[i] = value(rng);
+      }
+      for (int32_t& b : banned) b = id(rng);
+      for (int32_t& p : prompt) p = id(rng);
+      for (size_t i = 0; i < output_ids.size(); ++i) {
+        output_ids[i] = id(rng);
+        output_counts[i] = static_cast<int32_t>(rng() % 4);  // 0: no entry
+      }
+      ControlledRowInput in = InputOfLists(bias_ids, bias_values, banned,
+                                           prompt, output_ids, output_counts);
+      in.repetition_penalty = trial % 3 == 0 ? 1.0f : 1.3f;
+      const bool penalized = in.repetition_penalty != 1.0f;
+      struct Entry {
+        uint8_t flags = 0;
+        float bias = 0.0f;
+        int32_t count = 0;
+      };
+      std::map<int32_t, Entry> expected;
+      for (size_t i = 0; i < bias_ids.size(); ++i) {
+        Entry& e = expected[bias_ids[i]];
+        e.bias = (e.flags & controls::kSpecialHasBias) ? e.bias + bias_values[i]
+                                                       : bias_values[i];
+        e.flags |= controls::kSpecialHasBias;
+      }
+      for (int32_t b : banned) expected[b].flags |= controls::kSpecialBanned;
+      if (penalized) {
+        for (int32_t p : prompt)
+          expected[p].flags |= controls::kSpecialRepeated;
+      }
+      for (size_t i = 0; i < output_ids.size(); ++i) {
+        if (output_counts[i] <= 0) continue;
+        Entry& e = expected[output_ids[i]];
+        if (penalized) e.flags |= controls::kSpecialRepeated;
+        e.count += output_counts[i];
+      }
+      ControlledPlan plan;
+      plan.AddRow(in);
+      const ControlledRow& row = plan.row_controls()[0];
+      const std::string where =
+          "limit " + std::to_string(limit) + ", trial " + std::to_string(trial);
+      ASSERT_EQ(row.special_end - row.special_begin,
+                static_cast<int64_t>(expected.size()))
+          << where;
+      int64_t k = row.special_begin;
+      for (const auto& [token, e] : expected) {
+        EXPECT_EQ(plan.special_ids()[k], token) << where;
+        EXPECT_EQ(plan.special_flags()[k], e.flags) << where << " id " << token;
+        EXPECT_EQ(plan.special_bias()[k], e.bias) << where << " id " << token;
+        EXPECT_EQ(plan.special_count()[k], e.count) << where << " id " << token;
+        ++k;
+      }
+    }
+  }
 }
 
 // The per-row algorithm, run on the host, against the CPU sampler on exact

@@ -538,6 +538,15 @@ TEST(ControlledRowsTest, RowsMergedOnAPoolPackTheSameBytes) {
     EXPECT_EQ(plan->bitmask(), one_by_one.bitmask());
     EXPECT_EQ(plan->byte_size(), one_by_one.byte_size());
   }
+  // The bitmasks copied on the pool (CudaEngine::WriteControls): bytes()
+  // again, whatever the buffer held.
+  ASSERT_GE(pooled.packed_bitmasks(), 2u);
+  std::vector<unsigned char> written(pooled.byte_size(), 0xee);
+  pooled.WriteBytes(written.data(), [&pool](size_t n, const auto& copy) {
+    ParallelForOrInline(&pool, static_cast<int64_t>(n),
+                        [&copy](int64_t i) { copy(static_cast<size_t>(i)); });
+  });
+  EXPECT_EQ(written, pooled.bytes());
 }
 
 TEST(ControlledRowsTest, BatchesOverTheBudgetSplitIntoChunksThatFit) {
