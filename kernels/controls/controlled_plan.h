@@ -289,8 +289,8 @@ class ControlledPlan {
   // Sorts keys[0, count) as std::sort would, using scratch[0, count). The
   // keys come in (kind, index) order, so a stable sort by id alone (their
   // high 32 bits) gives that order: least-significant-digit radix over the
-  // bits the ids use, in passes of at most 9 bits (two below 2^18, every
-  // vocabulary the engine serves). 256 rows of 64 bias entries, 4 bans and
+  // bits the ids use, in passes of at most 9 bits (two for ids below
+  // 2^18: V = 151936 and 128256 alike). 256 rows of 64 bias entries, 4 bans and
   // 64 prompt and output ids, random below 151936 (a prompt's are out of
   // order), merged in 0.97-1.35 ms against 2.5-3.2 with std::sort on one
   // core of a development host (0.22-0.35 without sorting; with each list

@@ -1347,8 +1347,9 @@ __device__ void DiscardRowRecords(const ControlledUnits& u, int r,
 // out, as the chunk kernel's cut does. The units rank every token but the
 // row's per-token entries (UnitCandidates::token_classes), whose exact
 // values are the merge kernel's; masked tokens (the row's bitmask) are
-// ranked too, and gathered here like the others (the merge kernel leaves
-// them out after), so that the bound bounds every allowed token left out.
+// ranked too unless the classes hold the bitmask, and gathered here like
+// the others (left out below), so that the bound bounds every allowed
+// token left out.
 // For raw-logprob rows (want_raw_mass) it sums instead the mass at T = 1
 // of the tokens the units left out and of the written candidates not
 // gathered, relative to the units' highest raw logit (m.unit_sum_ref).
@@ -1374,7 +1375,7 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
   const uint32_t top = m.unit_row_top;
   // One sum at most: a top_p tail (at 1 / T, below x_max, over members) or
   // the raw logprobs' mass (at T = 1, below the units' highest raw logit,
-  // over every token): a unit holds one tail.
+  // over every allowed token): a unit holds one tail.
   const bool want_sums = want_tail || want_raw_mass;
   const float sum_inv_t = want_raw_mass ? 1.0f : inv_t;
   if ((c.special_begin != c.special_end && !u.token_classes) ||
@@ -1494,10 +1495,11 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
   }
   if (bad) return false;
   if (c.bitmask_offset >= 0) {
-    // The units rank masked tokens too: they leave the candidates here (id
-    // -1, as an unused slot), and the row's maximum is an allowed
-    // candidate's or an entry's, not the units' highest key. The gather's
-    // barriers published the candidates; the reduction's publishes ids.
+    // The units rank masked tokens too unless the classes hold the bitmask:
+    // they leave the candidates here (id -1, as an unused slot), and the
+    // row's maximum is an allowed candidate's or an entry's, not the units'
+    // highest key. The gather's barriers published the candidates; the
+    // reduction's publishes ids.
     const uint32_t* row_mask = p.bitmask + c.bitmask_offset;
     float local = m.entries_top;
     for (int s = threadIdx.x; s < count; s += kThreads) {

@@ -134,8 +134,9 @@ void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
 
 // The bitmasks PackControlledRows would pack for rows [first, end) (its
 // plan's packed_bitmasks()): one per valid row with a bitmask whose params
-// are not the row before's. Reads the specs alone, so that a batch can be
-// routed by it before it is packed.
+// are not the row before's, where the refused rows' ride-along params carry
+// no bitmask (the engine's do not). Reads the specs alone, so that a batch
+// can be routed by it before it is packed.
 size_t CountPackedBitmasks(const RowSpec* specs, const std::vector<char>& valid,
                            int first, int end);
 

@@ -99,11 +99,13 @@ constexpr size_t kUnitEntryPlanBytes = size_t{4} << 20;
 // packed controls before the fused kernel, so that the token classes leave
 // masked tokens out of every unit and tail; each packed bitmask (19 KB at
 // V = 151936) then costs about 1.6 us of packing and copying on an H100
-// host before the kernel starts, where the units save each row of the batch
+// host before the kernel starts (timed in the engine for batches of rows
+// with their own bitmasks), where the units save each row of the batch
 // 0.7-1.0 us of GPU time against its logits (everything with raw logprobs,
-// qwen, B = 16..256). So the units take such a batch only where it packs
-// at most one bitmask per this many rows (a request's shared params pack
-// one); rows each with their own bitmask keep the logits.
+// qwen, B = 16..256). The break-even is one bitmask per about two rows;
+// at one per four, the copies cost at most 0.4 us a row, below the least
+// saving, whatever the batch size. A request's shared params pack one;
+// rows each with their own bitmask keep the logits.
 constexpr int kRowsPerPackedBitmask = 4;
 
 // The controls of a row riding in a controlled launch whose outputs are not
@@ -242,7 +244,8 @@ struct Slot {
   cudaEvent_t sampler_done = nullptr;
   // Rank 0: the packed controls' copy runs here, beside the fused kernel on
   // rank 0's stream, which waits for it (controls_copied) only before the
-  // sampler (RunControlled).
+  // sampler (RunControlled), or, with the bitmasks in the token classes,
+  // before the classes' kernel (PrepareTokenClasses).
   cudaStream_t controls_stream = nullptr;
   cudaEvent_t controls_copied = nullptr;
   // Host packing state, reused batch after batch (no allocation once warm).
@@ -255,7 +258,7 @@ struct Slot {
 // (PackControlledRows) and copy its bitmasks into the pinned staging
 // (WriteControls). A batch of 256 rows each with its own 64 bias entries
 // and 128 penalized ids merges them before the fused kernel; with four
-// threads the merge no longer sets the batch's pace. The slots share them.
+// threads the merge does not set the batch's pace. The slots share them.
 constexpr int kPackWorkers = 3;
 
 // Bitmasks a batch's staging copy takes from this many on the pack pool.
@@ -1600,7 +1603,8 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     // Decided before packing: a batch that takes its logits packs its
     // controls after the fused kernel's launch, not before it (64 rows each
     // with their own bitmask, 64 bias entries and 128 penalized ids:
-    // execution 0.91 against 0.70 ms packed before; H100, one caller).
+    // execution 0.70 ms packed after the launch, 0.91 packed before; H100,
+    // one caller).
     if (masked_tails &&
         CountPackedBitmasks(batch.specs, by_controls, 0, batch.rows) *
                 kRowsPerPackedBitmask >

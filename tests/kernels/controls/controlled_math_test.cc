@@ -349,8 +349,8 @@ TEST(ControlledPlanTest, MergesListsLikeTheCpuPlan) {
 // Rows with enough keys for the radix sort: each id's entry is what its
 // list entries give in list order (the bias an fp32 sum in bias-list order,
 // repeated, banned, the output counts summed), ids ascending, for ids of up
-// to 14, 18, 24 and 31 bits (one to four 8-bit passes), with repeats
-// within and across the lists.
+// to 14, 18, 24 and 31 bits (two, two, three and four radix passes; one for
+// the trials of ids below 97), with repeats within and across the lists.
 TEST(ControlledPlanTest, ManyKeysMergeAsTheListsSay) {
   std::mt19937 rng(5);
   for (int32_t limit : {1 << 14, 151936, 1 << 24, 0x7fffffff}) {
