@@ -144,6 +144,9 @@ struct Controls {
   // in the raw space (the API's default), whose mass at T = 1 the units'
   // tails hold, rather than the processed one.
   bool raw_logprobs = false;
+  // The units rank every row by one row of token classes, as a request's
+  // rows with shared controls can (UnitCandidates::token_classes_shared).
+  bool shared_classes = false;
 };
 
 // The row lists of Controls::everything, shared by every row: 64 logit_bias
@@ -327,7 +330,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
   // where not null (the entries' logits to `logits`): what the CUDA engine
   // launches for a batch its units can serve.
   auto fused_units = [&](const void* h, int batch, const float* tails,
-                         const uint32_t* classes) {
+                         const uint32_t* classes, bool shared_classes) {
     FusedSampleParams params = fused_params(h, batch, greedy_inv_temperature);
     params.unit_candidates.records = unit_records;
     params.unit_candidates.row_bound = unit_row_maxima;
@@ -335,6 +338,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     params.unit_candidates.tail_inv_temperature = tails;
     if (classes != nullptr) {
       params.unit_candidates.token_classes = classes;
+      params.unit_candidates.token_classes_shared = shared_classes;
       params.unit_candidates.entry_logits = logits;
     }
     return LaunchFusedSample(params, fused_workspace, fused_workspace_bytes,
@@ -380,6 +384,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       {"topk50_topp0.9_minp0.05", true, 0.8f, 50, 0.9f, 0.05f, false},
       {"everything", true, 0.8f, 50, 0.9f, 0.05f, true},
       {"everything_raw", true, 0.8f, 50, 0.9f, 0.05f, true, true},
+      {"everything_raw_shared_classes", true, 0.8f, 50, 0.9f, 0.05f, true, true,
+       true},
       {"topk50_topp0.9_minp0.05_raw_logprobs", true, 0.8f, 50, 0.9f, 0.05f,
        false, true},
       {"topp0.9", true, 0.8f, 0, 0.9f, 0.0f, false},
@@ -430,7 +436,8 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
               [&] { return fused(peaked, batch, logits, inv_temperature); }) ||
         !time("fused_units_out",
               [&] {
-                return fused_units(peaked, batch, inv_temperature, nullptr);
+                return fused_units(peaked, batch, inv_temperature, nullptr,
+                                   false);
               }) ||
         // fused_units_out's records had no merge kernel to discard them
         // from L2's set-aside: let the next methods find it free, as every
@@ -496,6 +503,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       units.bitmask_in_classes = controls.everything && controls.raw_logprobs;
       ControlledSampleParams class_params = params;
       if (!units.bitmask_in_classes) class_params.bitmask = nullptr;
+      if (controls.shared_classes) class_params.rows = 1;
       auto sample = [&] {
         return LaunchControlledSample(params, controlled_workspace,
                                       controlled_workspace_bytes, stream);
@@ -528,7 +536,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                                       class_params, unit_token_classes, stream);
         if (error == cudaSuccess) {
           error = fused_units(h, batch, units.tail_inv_temperature,
-                              units.token_classes);
+                              units.token_classes, controls.shared_classes);
         }
         return error != cudaSuccess ? error
                                     : LaunchControlledSampleFromUnits(

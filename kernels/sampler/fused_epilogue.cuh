@@ -1041,9 +1041,11 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   uint32_t classes = 0xffffu;
   if (args.unit_candidates.token_classes != nullptr && b < args.batch &&
       valid > 0) {
-    classes = args.unit_candidates
-                  .token_classes[b * UnitClassWordsPerRow(args.vocab_rows) +
-                                 (row0 + 64 * half) / 16];
+    const int64_t class_row = args.unit_candidates.token_classes_shared ? 0 : b;
+    classes =
+        args.unit_candidates
+            .token_classes[class_row * UnitClassWordsPerRow(args.vocab_rows) +
+                           (row0 + 64 * half) / 16];
   }
   // Bit i: row i is in the shard and ranked.
   const uint32_t ranked =

@@ -82,6 +82,9 @@ struct UnitCandidates {
   // adds at its processed value). A token with neither is in no record and
   // no tail. Null: every token ranked.
   const uint32_t* token_classes = nullptr;
+  // token_classes holds one row, by which every row of the launch ranks
+  // (rows with one request's shared controls).
+  bool token_classes_shared = false;
   // [batch][shard rows] fp32, written at the entry tokens' rows alone;
   // needed where token_classes is set.
   float* entry_logits = nullptr;
