@@ -65,11 +65,7 @@ class ControlledPlan {
   // and positive output counts mark it repeated when the repetition penalty
   // is not 1; its count is the sum of its positive output counts.
   void AddRow(const ControlledRowInput& in) {
-    const size_t first = special_ids_.size();
-    ResizeEntries(first + KeyCount(in));
-    const size_t entries = MergeEntries(in, first, &keys_);
-    ResizeEntries(first + entries);
-    AppendRow(in, first, first + entries);
+    AddRows({RowToAdd{&in}}, InOrder{});
   }
 
   // One row of AddRows: its controls, or null for the row before it again
@@ -186,23 +182,18 @@ class ControlledPlan {
 
   // Writes bytes() into `out` (byte_size() bytes, e.g. pinned staging)
   // without building a vector; padding bytes are zero.
-  void WriteBytes(void* out) const {
-    WriteBytes(out, [](size_t n, const auto& fn) {
-      for (size_t i = 0; i < n; ++i) fn(i);
-    });
-  }
+  void WriteBytes(void* out) const { WriteBytes(out, InOrder{}); }
 
-  // WriteBytes with the bitmasks copied by for_each(n, fn), which must call
-  // fn(i) once for every i in [0, n), on any threads (one bitmask each): a
-  // batch of 256 rows each with its own bitmask writes 4.9 MB of them at
-  // V = 151936.
+  // WriteBytes with the bitmasks copied by for_each(n, fn), as AddRows'
+  // (one bitmask each): a batch of 256 rows each with its own bitmask writes
+  // 4.9 MB of them at V = 151936.
   template <typename ForEach>
   void WriteBytes(void* out, ForEach&& for_each) const {
     const Layout layout = MakeLayout();
     WriteRowsAndEntries(out);
     unsigned char* bitmasks = static_cast<unsigned char*>(out) + layout.bitmask;
-    for_each(bitmask_rows_.size(), [&](size_t i) {
-      const BitmaskRow& b = bitmask_rows_[i];
+    for_each(static_cast<int64_t>(bitmask_rows_.size()), [&](int64_t i) {
+      const BitmaskRow& b = bitmask_rows_[static_cast<size_t>(i)];
       std::memcpy(bitmasks + 4 * b.offset, b.words, 4 * b.count);
     });
     const size_t end = layout.bitmask + 4 * bitmask_words_;
@@ -263,6 +254,15 @@ class ControlledPlan {
   }
 
  private:
+  // The for-each of AddRow and WriteBytes(out): every index on the calling
+  // thread, in order.
+  struct InOrder {
+    template <typename Fn>
+    void operator()(int64_t n, const Fn& fn) const {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+    }
+  };
+
   struct Layout {
     size_t rows, ids, flags, bias, count, bitmask, total;
   };
@@ -348,7 +348,8 @@ class ControlledPlan {
     constexpr uint64_t kIndexMask = (uint64_t{1} << kKindShift) - 1;
     const bool penalized = in.repetition_penalty != 1.0f;
     // The keys, then as many again for SortKeysById.
-    keys->resize(2 * KeyCount(in));
+    const size_t room = KeyCount(in);
+    keys->resize(2 * room);
     uint64_t* next = keys->data();
     auto key = [&next](int32_t id, uint64_t kind, size_t i) {
       *next++ = uint64_t{static_cast<uint32_t>(id)} << 32 | kind << kKindShift |
@@ -363,7 +364,7 @@ class ControlledPlan {
       if (in.output_counts[i] > 0) key(in.output_ids[i], 3, i);
     }
     const size_t count = static_cast<size_t>(next - keys->data());
-    SortKeysById(keys->data(), count, keys->data() + KeyCount(in));
+    SortKeysById(keys->data(), count, keys->data() + room);
     size_t entries = at;
     for (size_t e = 0; e < count;) {
       const uint64_t* k = keys->data();
@@ -457,8 +458,7 @@ class ControlledPlan {
   std::vector<float> special_bias_;
   std::vector<int32_t> special_count_;
   std::vector<BitmaskRow> bitmask_rows_;  // the callers' arrays, in order
-  std::vector<uint64_t> keys_;        // AddRow's sort buffer, kept across rows
-  std::vector<size_t> region_begin_;  // AddRows' scratch, a row each
+  std::vector<size_t> region_begin_;      // AddRows' scratch, a row each
   std::vector<size_t> region_entries_;
   size_t bitmask_words_ = 0;
   int max_samples_ = 1;

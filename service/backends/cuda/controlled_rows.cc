@@ -181,15 +181,15 @@ void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
 }
 
 size_t CountPackedBitmasks(const RowSpec* specs, const std::vector<char>& valid,
-                           int first, int end) {
+                           int first, int end,
+                           const SamplingParams& ride_along) {
+  // PackControlledRows' rule: a row packs its params unless they are the
+  // row before's.
   size_t count = 0;
-  const SamplingParams* previous = nullptr;  // a refused row's: none
+  const SamplingParams* previous = nullptr;
   for (int i = first; i < end; ++i) {
-    const SamplingParams* params = valid[i] ? specs[i].params : nullptr;
-    if (params != nullptr && params != previous &&
-        !params->allowed_bitmask.empty()) {
-      ++count;
-    }
+    const SamplingParams* params = valid[i] ? specs[i].params : &ride_along;
+    if (params != previous && !params->allowed_bitmask.empty()) ++count;
     previous = params;
   }
   return count;

@@ -132,13 +132,13 @@ void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
                         ControlledPackScratch* scratch, ControlledPlan* plan,
                         ThreadPool* pool = nullptr);
 
-// The bitmasks PackControlledRows would pack for rows [first, end) (its
-// plan's packed_bitmasks()): one per valid row with a bitmask whose params
-// are not the row before's, where the refused rows' ride-along params carry
-// no bitmask (the engine's do not). Reads the specs alone, so that a batch
-// can be routed by it before it is packed.
+// The bitmasks PackControlledRows would pack for the same rows (its plan's
+// packed_bitmasks()): one per row with a bitmask whose params are not the
+// row before's. Reads the specs alone, so that a batch can be routed by it
+// before it is packed.
 size_t CountPackedBitmasks(const RowSpec* specs, const std::vector<char>& valid,
-                           int first, int end);
+                           int first, int end,
+                           const SamplingParams& ride_along);
 
 // Upper bound of the bytes a row adds to ControlledPlan::bytes() (its
 // ControlledRow, 13 bytes per list entry before merging, its bitmask),

@@ -1098,10 +1098,10 @@ void CudaEngine::WriteControls(Slot& slot) {
   ThreadPool* pool = slot.plan.packed_bitmasks() >= kParallelCopyBitmasks
                          ? &pack_pool_
                          : nullptr;
-  slot.plan.WriteBytes(slot.host_plan, [pool](size_t n, const auto& copy) {
-    ParallelForOrInline(pool, static_cast<int64_t>(n),
-                        [&copy](int64_t i) { copy(static_cast<size_t>(i)); });
-  });
+  slot.plan.WriteBytes(
+      slot.host_plan, [pool](int64_t n, absl::FunctionRef<void(int64_t)> copy) {
+        ParallelForOrInline(pool, n, copy);
+      });
 }
 
 absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
@@ -1128,22 +1128,14 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
   SlotRank& root = slot.ranks[0];
   if (with_bitmask) {
-    const size_t bytes = slot.plan.byte_size();
-    if (bytes > kControlledPlanBudgetBytes) return absl::OkStatus();
+    if (slot.plan.byte_size() > kControlledPlanBudgetBytes) {
+      return absl::OkStatus();
+    }
     // Every control, the bitmasks too, before the classes' kernel: on the
     // copy stream, so that the copy does not queue behind the other slot's
     // sampler, which root.stream may wait for.
-    WriteControls(slot);
-    FS_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
-                              cudaMemcpyHostToDevice, slot.controls_stream),
-              "cudaMemcpyAsync(controls)"));
-    FS_RETURN_IF_ERROR(
-        Check(cudaEventRecord(slot.controls_copied, slot.controls_stream),
-              "cudaEventRecord"));
-    FS_RETURN_IF_ERROR(
-        Check(cudaStreamWaitEvent(root.stream, slot.controls_copied, 0),
-              "cudaStreamWaitEvent"));
+    FS_RETURN_IF_ERROR(UploadControls(slot, batch, valid, 0, batch.rows,
+                                      /*packed=*/true, /*beside=*/true));
     slot.plan.BindInputs(slot.device_plan, info_.vocab_size, &params);
     *plan = PlanState::kUploaded;
   } else {
@@ -1624,10 +1616,10 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
     // with their own bitmask, 64 bias entries and 128 penalized ids:
     // execution 0.70 ms packed after the launch, 0.91 packed before; H100,
     // one caller).
-    if (masked_tails &&
-        CountPackedBitmasks(batch.specs, by_controls, 0, batch.rows) *
-                kRowsPerPackedBitmask >
-            static_cast<size_t>(batch.rows)) {
+    if (masked_tails && CountPackedBitmasks(batch.specs, by_controls, 0,
+                                            batch.rows, ride_along_params_) *
+                                kRowsPerPackedBitmask >
+                            static_cast<size_t>(batch.rows)) {
       from_units = false;
     } else if (entries || masked_tails) {
       FS_RETURN_IF_ERROR(PrepareTokenClasses(slot, batch, by_controls,

@@ -397,13 +397,24 @@ TEST(ControlledRowsTest, RowsOfOneParamsShareTheirPackedControls) {
   // packs: the plan's count, and a chunk's.
   EXPECT_EQ(shared.packed_bitmasks(), 6u);
   EXPECT_EQ(CountPackedBitmasks(specs.data(), valid, 0,
-                                static_cast<int>(specs.size())),
+                                static_cast<int>(specs.size()), ride_along),
             6u);
-  EXPECT_EQ(CountPackedBitmasks(specs.data(), valid, 1, 3), 1u);
-  EXPECT_EQ(CountPackedBitmasks(specs.data(), valid, 5, 9), 2u);
+  EXPECT_EQ(CountPackedBitmasks(specs.data(), valid, 1, 3, ride_along), 1u);
+  EXPECT_EQ(CountPackedBitmasks(specs.data(), valid, 5, 9, ride_along), 2u);
   ControlledPlan chunk;
   PackControlledRows(specs.data(), valid, 5, 9, ride_along, &scratch, &chunk);
   EXPECT_EQ(chunk.packed_bitmasks(), 2u);
+  // Ride-along params with a bitmask: the two refused rows pack it once.
+  SamplingParams masked_ride_along = ride_along;
+  masked_ride_along.allowed_bitmask.assign(words, 0x0f0f0f0fu);
+  ControlledPlan masked;
+  PackControlledRows(specs.data(), valid, 0, static_cast<int>(specs.size()),
+                     masked_ride_along, &scratch, &masked);
+  EXPECT_EQ(masked.packed_bitmasks(), 7u);
+  EXPECT_EQ(
+      CountPackedBitmasks(specs.data(), valid, 0,
+                          static_cast<int>(specs.size()), masked_ride_along),
+      7u);
   const std::vector<uint32_t> shared_words = shared.bitmask();
   const std::vector<uint32_t> fresh_words = fresh.bitmask();
   for (int r = 0; r < shared.rows(); ++r) {
@@ -542,10 +553,10 @@ TEST(ControlledRowsTest, RowsMergedOnAPoolPackTheSameBytes) {
   // again, whatever the buffer held.
   ASSERT_GE(pooled.packed_bitmasks(), 2u);
   std::vector<unsigned char> written(pooled.byte_size(), 0xee);
-  pooled.WriteBytes(written.data(), [&pool](size_t n, const auto& copy) {
-    ParallelForOrInline(&pool, static_cast<int64_t>(n),
-                        [&copy](int64_t i) { copy(static_cast<size_t>(i)); });
-  });
+  pooled.WriteBytes(written.data(),
+                    [&pool](int64_t n, absl::FunctionRef<void(int64_t)> copy) {
+                      ParallelForOrInline(&pool, n, copy);
+                    });
   EXPECT_EQ(written, pooled.bytes());
 }
 
