@@ -200,28 +200,6 @@ class ControlledPlan {
     std::memset(static_cast<unsigned char*>(out) + end, 0, layout.total - end);
   }
 
-  // bytes() up to the bitmasks: the rows and their entries, all that the
-  // token classes' kernel reads, copied before the fused kernel while the
-  // bitmasks follow beside it. WriteRowsAndEntries writes them.
-  size_t rows_and_entries_byte_size() const { return MakeLayout().bitmask; }
-  void WriteRowsAndEntries(void* out) const {
-    const Layout layout = MakeLayout();
-    unsigned char* base = static_cast<unsigned char*>(out);
-    size_t written = 0;
-    // Each array, and zeros in the alignment gaps alone.
-    auto put = [base, &written](size_t offset, const void* data, size_t size) {
-      std::memset(base + written, 0, offset - written);
-      if (size > 0) std::memcpy(base + offset, data, size);
-      written = offset + size;
-    };
-    put(layout.rows, rows_.data(), sizeof(ControlledRow) * rows_.size());
-    put(layout.ids, special_ids_.data(), 4 * special_ids_.size());
-    put(layout.flags, special_flags_.data(), special_flags_.size());
-    put(layout.bias, special_bias_.data(), 4 * special_bias_.size());
-    put(layout.count, special_count_.data(), 4 * special_count_.size());
-    put(layout.bitmask, nullptr, 0);
-  }
-
   // Every input array in one buffer, each at a 256-byte aligned offset.
   std::vector<unsigned char> bytes() const {
     std::vector<unsigned char> out(byte_size());
@@ -254,6 +232,25 @@ class ControlledPlan {
   }
 
  private:
+  // bytes() up to the bitmasks: the rows and their entries.
+  void WriteRowsAndEntries(void* out) const {
+    const Layout layout = MakeLayout();
+    unsigned char* base = static_cast<unsigned char*>(out);
+    size_t written = 0;
+    // Each array, and zeros in the alignment gaps alone.
+    auto put = [base, &written](size_t offset, const void* data, size_t size) {
+      std::memset(base + written, 0, offset - written);
+      if (size > 0) std::memcpy(base + offset, data, size);
+      written = offset + size;
+    };
+    put(layout.rows, rows_.data(), sizeof(ControlledRow) * rows_.size());
+    put(layout.ids, special_ids_.data(), 4 * special_ids_.size());
+    put(layout.flags, special_flags_.data(), special_flags_.size());
+    put(layout.bias, special_bias_.data(), 4 * special_bias_.size());
+    put(layout.count, special_count_.data(), 4 * special_count_.size());
+    put(layout.bitmask, nullptr, 0);
+  }
+
   // The for-each of AddRow and WriteBytes(out): every index on the calling
   // thread, in order.
   struct InOrder {

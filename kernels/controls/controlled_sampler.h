@@ -68,10 +68,12 @@ struct ControlledUnits {
 // ([rows][UnitClassWordsPerRow(vocab)] at `classes`): every token but each
 // row's per-token entries ranked, the entries' logits kept, and where
 // params.bitmask is set, each bitmask row's masked tokens in neither class.
-// Reads params' rows, vocab, row_controls, special_ids and bitmask alone.
-// With params.bitmask null the merge kernel leaves masked candidates out
-// itself, so that the controls needed before the fused kernel can be the
-// entries alone, not the bitmask words (19 KB a row at V = 151936).
+// Reads params' rows, vocab, row_controls, special_ids and bitmask alone;
+// a row's ids need not be merged (ascending, distinct): the kernel only sets
+// bits, so the lists' ids as they come mark the same tokens
+// (TokenClassInputs). With params.bitmask null the merge kernel leaves masked
+// candidates out itself, so that the controls needed before the fused kernel
+// can be the entries alone, not the bitmask words (19 KB a row at V = 151936).
 cudaError_t LaunchUnitTokenClasses(const ControlledSampleParams& params,
                                    uint32_t* classes, cudaStream_t stream);
 

@@ -85,6 +85,41 @@ class FieldChecker {
   int64_t vocab_;
 };
 
+// True when every list entry passes its check, in branch-free passes the
+// compiler vectorizes; the checks that name an entry run only where one
+// fails. Entry by entry, the lists took 0.37 us of the 0.38 us check of a
+// row with 64 bias entries and 64 prompt and output ids (a development
+// host), and the CUDA engine checks each row of a batch again.
+bool ListsPass(const SamplingParams& p, int64_t vocab, bool wire) {
+  // Ids in [0, V) as unsigned: a negative id is above any V.
+  const uint32_t limit = static_cast<uint32_t>(
+      std::min<int64_t>(vocab, std::numeric_limits<uint32_t>::max()));
+  const float inf = std::numeric_limits<float>::infinity();
+  uint32_t bad = 0;
+  if (wire) {
+    for (const TokenBias& b : p.logit_bias) {
+      bad |= (static_cast<uint32_t>(b.token_id) >= limit) |
+             !(std::fabs(b.bias) < inf);
+    }
+  } else {
+    for (const TokenBias& b : p.logit_bias) {
+      bad |= (static_cast<uint32_t>(b.token_id) >= limit) | (b.bias != b.bias) |
+             (b.bias == inf);
+    }
+  }
+  for (int32_t id : p.banned_token_ids) {
+    bad |= static_cast<uint32_t>(id) >= limit;
+  }
+  for (int32_t id : p.prompt_token_ids) {
+    bad |= static_cast<uint32_t>(id) >= limit;
+  }
+  const int32_t min_count = wire ? 1 : 0;
+  for (const TokenCount& c : p.output_token_counts) {
+    bad |= (static_cast<uint32_t>(c.token_id) >= limit) | (c.count < min_count);
+  }
+  return bad == 0;
+}
+
 // Bitmask and banned ids together must leave a token of [0, V) allowed.
 // Without a copy of the bitmask (19 KB a row at V = 151936): each banned id
 // bans at most one allowed token, so the walk over the allowed tokens ends
@@ -155,7 +190,8 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
   // The lists' entries are checked first and named only when one fails:
   // building each entry's name took 10 us a row with 64 bias entries and 64
   // prompt and output ids (a development host).
-  for (size_t i = 0; i < p.logit_bias.size(); ++i) {
+  const bool lists_pass = ListsPass(p, vocab_size, rules.wire);
+  for (size_t i = 0; !lists_pass && i < p.logit_bias.size(); ++i) {
     const TokenBias& b = p.logit_bias[i];
     const bool bias_ok =
         rules.wire ? std::isfinite(b.bias)
@@ -177,7 +213,7 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
                                         FloatStr(b.bias)));
     }
   }
-  for (size_t i = 0; i < p.banned_token_ids.size(); ++i) {
+  for (size_t i = 0; !lists_pass && i < p.banned_token_ids.size(); ++i) {
     if (check.InVocab(p.banned_token_ids[i])) continue;
     if (absl::Status s = check.TokenId(
             absl::StrCat("banned_token_ids[", i, "]"), p.banned_token_ids[i]);
@@ -215,7 +251,7 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
       !s.ok()) {
     return s;
   }
-  for (size_t i = 0; i < p.prompt_token_ids.size(); ++i) {
+  for (size_t i = 0; !lists_pass && i < p.prompt_token_ids.size(); ++i) {
     if (check.InVocab(p.prompt_token_ids[i])) continue;
     if (absl::Status s = check.TokenId(
             absl::StrCat("prompt_token_ids[", i, "]"), p.prompt_token_ids[i]);
@@ -223,7 +259,7 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
       return s;
     }
   }
-  for (size_t i = 0; i < p.output_token_counts.size(); ++i) {
+  for (size_t i = 0; !lists_pass && i < p.output_token_counts.size(); ++i) {
     const TokenCount& c = p.output_token_counts[i];
     if (check.InVocab(c.token_id) && c.count >= (rules.wire ? 1 : 0)) {
       continue;

@@ -45,7 +45,7 @@ binaries=(
 # test cannot silently drop out of the device run.
 optional=()
 if [[ ${FS_BUNDLE_DAEMON:-1} == 1 ]]; then
-  optional+=(flashsamplerd fs_load flashsamplerd_null_engine)
+  optional+=(flashsamplerd fs_load flashsamplerd_null_engine fs_engine_bench)
 fi
 optional+=(fs_tp_bench tp_gpu_test)
 # The Makefiles' target list ("... name" lines). A failing help call fails

@@ -1,9 +1,12 @@
 // Host glue of the CUDA engine's controlled path: row checks with the CPU
-// sampler's messages, SamplingParams -> ControlledRowInput, the packed-byte
-// bound and chunking, and the per-row error texts.
+// sampler's messages, SamplingParams -> ControlledRowInput, the token
+// classes' inputs, the packed-byte bound and chunking, and the per-row error
+// texts.
 #include "service/backends/cuda/controlled_rows.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -193,6 +196,97 @@ size_t CountPackedBitmasks(const RowSpec* specs, const std::vector<char>& valid,
     previous = params;
   }
   return count;
+}
+
+namespace {
+
+// The entry ids of a row, in TokenClassInputs' order: MergeEntries' keys.
+template <typename Fn>
+void ForEachEntryId(const SamplingParams& p, Fn&& fn) {
+  for (const TokenBias& b : p.logit_bias) fn(b.token_id);
+  for (int32_t id : p.banned_token_ids) fn(id);
+  if (p.repetition_penalty != 1.0f) {
+    for (int32_t id : p.prompt_token_ids) fn(id);
+  }
+  for (const TokenCount& tc : p.output_token_counts) {
+    if (tc.count > 0) fn(tc.token_id);
+  }
+}
+
+size_t AlignTo256(size_t v) { return (v + 255) / 256 * 256; }
+
+}  // namespace
+
+void TokenClassInputs::Build(const RowSpec* specs,
+                             const std::vector<char>& valid, int rows,
+                             const SamplingParams& ride_along,
+                             bool with_bitmask, bool shared) {
+  rows_.clear();
+  packed_.clear();
+  ids_ = 0;
+  bitmask_words_ = 0;
+  const int count = shared ? std::min(rows, 1) : rows;
+  const SamplingParams* previous = nullptr;
+  for (int i = 0; i < count; ++i) {
+    const SamplingParams* p = valid[i] ? specs[i].params : &ride_along;
+    if (p == previous) {
+      rows_.push_back(rows_.back());
+      continue;
+    }
+    previous = p;
+    ControlledRow row;
+    row.special_begin = static_cast<int64_t>(ids_);
+    ForEachEntryId(*p, [this](int32_t) { ++ids_; });
+    row.special_end = static_cast<int64_t>(ids_);
+    if (with_bitmask && !p->allowed_bitmask.empty()) {
+      row.bitmask_offset = static_cast<int64_t>(bitmask_words_);
+      bitmask_words_ += p->allowed_bitmask.size();
+    }
+    rows_.push_back(row);
+    packed_.push_back(p);
+  }
+}
+
+TokenClassInputs::Layout TokenClassInputs::MakeLayout() const {
+  Layout l;
+  l.rows = 0;
+  l.ids = AlignTo256(sizeof(ControlledRow) * rows_.size());
+  l.bitmask = AlignTo256(l.ids + sizeof(int32_t) * ids_);
+  l.total = std::max<size_t>(
+      AlignTo256(l.bitmask + sizeof(uint32_t) * bitmask_words_), 256);
+  return l;
+}
+
+void TokenClassInputs::WriteBytes(void* out) const {
+  const Layout layout = MakeLayout();
+  auto* base = static_cast<unsigned char*>(out);
+  std::memcpy(base + layout.rows, rows_.data(),
+              sizeof(ControlledRow) * rows_.size());
+  auto* ids = reinterpret_cast<int32_t*>(base + layout.ids);
+  auto* words = reinterpret_cast<uint32_t*>(base + layout.bitmask);
+  for (const SamplingParams* p : packed_) {
+    ForEachEntryId(*p, [&ids](int32_t id) { *ids++ = id; });
+    if (bitmask_words_ > 0 && !p->allowed_bitmask.empty()) {
+      std::memcpy(words, p->allowed_bitmask.data(),
+                  sizeof(uint32_t) * p->allowed_bitmask.size());
+      words += p->allowed_bitmask.size();
+    }
+  }
+}
+
+void TokenClassInputs::BindInputs(const void* device_bytes, int64_t vocab,
+                                  ControlledSampleParams* params) const {
+  const Layout layout = MakeLayout();
+  const auto* base = static_cast<const unsigned char*>(device_bytes);
+  params->rows = static_cast<int>(rows_.size());
+  params->vocab = vocab;
+  params->row_controls =
+      reinterpret_cast<const ControlledRow*>(base + layout.rows);
+  params->special_ids = reinterpret_cast<const int32_t*>(base + layout.ids);
+  params->bitmask =
+      bitmask_words_ == 0
+          ? nullptr
+          : reinterpret_cast<const uint32_t*>(base + layout.bitmask);
 }
 
 size_t ControlledRowBytesBound(const SamplingParams& p) {

@@ -87,25 +87,24 @@ constexpr int kHiddenPadRows = 128;
 // the second pass at most once in 17 batches.
 constexpr int kUnitCandidatesPauseBatches = 16;
 
-// The entries-only controls a batch with per-token entries copies before its
-// fused kernel (PrepareTokenClasses): 13 bytes an entry and the rows, far
-// below the full controls' budget, whose bitmasks (19 KB a row at V =
-// 151936) are packed and copied while the kernel runs. A batch with more
-// takes its logits.
-constexpr size_t kUnitEntryPlanBytes = size_t{4} << 20;
+// What a batch with token classes copies before its fused kernel
+// (PrepareTokenClasses, TokenClassInputs): 4 bytes an entry id and the
+// rows, and where the classes hold the bitmasks, at most one 19 KB bitmask
+// (V = 151936) per kRowsPerPackedBitmask rows; 4 MB is a million ids. A
+// batch with more takes its logits.
+constexpr size_t kClassInputBytes = size_t{4} << 20;
 
 // A batch with bitmask rows whose tails the units sum (raw logprobs, or
-// top_p that top_k does not bound: NeedsBitmaskInClasses) copies its whole
-// packed controls before the fused kernel, so that the token classes leave
-// masked tokens out of every unit and tail; each packed bitmask (19 KB at
-// V = 151936) then costs about 1.6 us of packing and copying on an H100
-// host before the kernel starts (timed in the engine for batches of rows
-// with their own bitmasks), where the units save each row of the batch
-// 0.7-1.0 us of GPU time against its logits (everything with raw logprobs,
-// qwen, B = 16..256). The break-even is one bitmask per about two rows;
-// at one per four, the copies cost at most 0.4 us a row, below the least
-// saving, whatever the batch size. A request's shared params pack one;
-// rows each with their own bitmask keep the logits.
+// top_p that top_k does not bound: NeedsBitmaskInClasses) copies their
+// bitmasks before the fused kernel, so that the token classes leave masked
+// tokens out of every unit and tail; nothing hides that copy (19 KB a
+// bitmask at V = 151936), where the units save each row of the batch
+// 0.7-1.0 us of GPU time against its logits. Rows each with their own
+// bitmask and raw logprobs took 1.60-1.66x the plain batch in the engine
+// at qwen B = 64 that way against 1.35-1.36x from their logits, and 1.25-
+// 1.27x against 1.18-1.19x at 16 (H100, fs_engine_bench). A request's
+// shared params pack one bitmask: at most one per four rows takes the
+// units.
 constexpr int kRowsPerPackedBitmask = 4;
 
 // The controls of a row riding in a controlled launch whose outputs are not
@@ -227,9 +226,8 @@ struct Slot {
   uint32_t* unit_row_maxima = nullptr;
   // [max_batch_rows, UnitClassWordsPerRow(V)]: the token classes the units
   // rank by in a batch with per-token entries (their entries' logits land
-  // in `logits`) or with bitmask rows whose tails are summed, and the rows
-  // and entries of the controls they are made from (kUnitEntryPlanBytes,
-  // pinned and device; with the bitmasks, the whole plan at device_plan).
+  // in `logits`) or with bitmask rows whose tails are summed, and what they
+  // are made from (kClassInputBytes, pinned and device).
   uint32_t* unit_token_classes = nullptr;
   // The batch's rows share one params (one request's): the classes are its
   // first row's alone, and every row ranks by them. With a row of classes
@@ -237,8 +235,9 @@ struct Slot {
   // unit: at qwen B = 256 with every control and raw logprobs, 1.34 against
   // 1.24x the plain kernel (H100, call for call).
   bool classes_shared = false;
-  void* host_entry_plan = nullptr;
-  void* device_entry_plan = nullptr;
+  TokenClassInputs class_inputs;
+  void* host_class_inputs = nullptr;
+  void* device_class_inputs = nullptr;
   void* controlled_workspace = nullptr;  // the controlled sampler's x = l / T
   void* host_plan = nullptr;             // pinned, kControlledPlanBudgetBytes
   void* device_plan = nullptr;           // kControlledPlanBudgetBytes
@@ -250,8 +249,8 @@ struct Slot {
   cudaEvent_t sampler_done = nullptr;
   // Rank 0: the packed controls' copy runs here, beside the fused kernel on
   // rank 0's stream, which waits for it (controls_copied) only before the
-  // sampler (RunControlled), or, with the bitmasks in the token classes,
-  // before the classes' kernel (PrepareTokenClasses).
+  // sampler (RunControlled), and the token classes' inputs, which it
+  // waits for before the classes' kernel (PrepareTokenClasses).
   cudaStream_t controls_stream = nullptr;
   cudaEvent_t controls_copied = nullptr;
   // Host packing state, reused batch after batch (no allocation once warm).
@@ -262,9 +261,12 @@ struct Slot {
 
 // Workers that help a slot's thread merge its batch's per-token entries
 // (PackControlledRows) and copy its bitmasks into the pinned staging
-// (WriteControls). A batch of 256 rows each with its own 64 bias entries
-// and 128 penalized ids merges them before the fused kernel; with four
-// threads the merge does not set the batch's pace. The slots share them.
+// (WriteControls), while the fused kernel runs. Seven took one caller's 256
+// rows each with its own 64 bias entries, 128 penalized ids and bitmask
+// from 2.22-2.24x to 1.70-2.08x the plain batch in the engine (qwen, H100,
+// fs_engine_bench) and gained nothing at the service, whose handler and
+// parse threads share the host's cores (35k against 37-38k rows/s). The
+// slots share them.
 constexpr int kPackWorkers = 3;
 
 // Bitmasks a batch's staging copy takes from this many on the pack pool.
@@ -331,11 +333,6 @@ class CudaEngine final : public Engine {
                              absl::string_view what);
   // What stage 1 writes besides its tokens.
   enum class Stage1Output { kTokens, kLogits, kUnits, kClassifiedUnits };
-  // What slot.plan holds of a controlled batch before RunControlled: nothing
-  // yet (it packs), every row packed, or every row packed and its copy to
-  // device_plan queued before the fused kernel (the bitmasks in the token
-  // classes).
-  enum class PlanState { kEmpty, kPacked, kUploaded };
   // Stage 1 over rows [first_row, first_row + rows); kLogits also makes it
   // write the fp32 logits (the materialized path), kUnits the unit
   // candidates (one GPU), kClassifiedUnits those ranked by the slot's token
@@ -373,11 +370,12 @@ class CudaEngine final : public Engine {
   // From unit candidates the sampler takes the candidate path over them
   // instead (LaunchControlledSampleFromUnits; kClassifiedUnits: ranked by
   // the slot's token classes); rows it cannot certify come back with
-  // certified = 0 and nothing else. `plan`: what slot.plan holds of the
-  // batch already (PrepareTokenClasses).
+  // certified = 0 and nothing else. `bitmask_in_classes`: the token
+  // classes were made with the bitmasks (PrepareTokenClasses).
   absl::Status RunControlled(Slot& slot, const BatchView& batch,
                              const std::vector<char>& valid, int max_samples,
-                             int max_top_n, Stage1Output stage1, PlanState plan,
+                             int max_top_n, Stage1Output stage1,
+                             bool bitmask_in_classes,
                              ControlledOutputLayout* layout);
   // Packs rows [first, end)'s controls into slot.plan (cleared first), a
   // refused row as a ride-along row.
@@ -386,26 +384,24 @@ class CudaEngine final : public Engine {
   // slot.plan's bytes into slot.host_plan, the bitmasks on the pack pool
   // from kParallelCopyBitmasks on.
   void WriteControls(Slot& slot);
-  // Packs rows [first, end) (unless `packed`: slot.plan holds them) and
-  // queues their copy to device_plan: on the copy stream beside stage 1,
-  // which rank 0's stream waits for before the sampler, or (a later
-  // chunk) on rank 0's stream after the previous chunk's sampler.
+  // Packs rows [first, end) and queues their copy to device_plan: on the
+  // copy stream beside stage 1, which rank 0's stream waits for before the
+  // sampler, or (a later chunk) on rank 0's stream after the previous
+  // chunk's sampler.
   absl::Status UploadControls(Slot& slot, const BatchView& batch,
                               const std::vector<char>& valid, int first,
-                              int end, bool packed, bool beside);
+                              int end, bool beside);
   // Before stage 1 of a batch served from unit candidates with per-token
   // entries, or with bitmask rows whose tails are summed (with_bitmask):
-  // packs the batch's controls (kept in slot.plan for the sampler), uploads
-  // their rows and entries alone (the bitmasks follow beside the fused
-  // kernel), or with_bitmask all of them, and queues the token classes'
-  // kernel (one row of classes where every row has the same params:
-  // slot.classes_shared). False in *classified where those exceed
-  // kUnitEntryPlanBytes, or with_bitmask the staging (the batch then takes
-  // its logits). *plan says what slot.plan holds.
+  // copies the rows' entry ids, and with_bitmask their bitmasks
+  // (TokenClassInputs, nothing merged: the sampler's packing follows the
+  // fused kernel's launch), and queues the token classes' kernel (one row
+  // of classes where every row has the same params: slot.classes_shared).
+  // False in *classified where those exceed kClassInputBytes (the batch
+  // then takes its logits).
   absl::Status PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                    const std::vector<char>& valid,
-                                   bool with_bitmask, bool* classified,
-                                   PlanState* plan);
+                                   bool with_bitmask, bool* classified);
   // Reads the controlled sampler's outputs (in the slot's pinned buffer) into
   // `results` for the valid rows.
   absl::Status CollectControlled(Slot& slot, const BatchView& batch,
@@ -783,9 +779,9 @@ absl::Status CudaEngine::Init() {
           sizeof(uint32_t) * static_cast<size_t>(options_.max_batch_rows) *
               static_cast<size_t>(UnitClassWordsPerRow(vocab)),
           "cudaMalloc(unit token classes)"));
-      FS_RETURN_IF_ERROR(StagingMalloc(&slot.host_entry_plan,
-                                       &slot.device_entry_plan,
-                                       kUnitEntryPlanBytes, "entries"));
+      FS_RETURN_IF_ERROR(StagingMalloc(&slot.host_class_inputs,
+                                       &slot.device_class_inputs,
+                                       kClassInputBytes, "token classes"));
     }
     FS_RETURN_IF_ERROR(StagingMalloc(&slot.host_plan, &slot.device_plan,
                                      kControlledPlanBudgetBytes, "controls"));
@@ -1107,16 +1103,8 @@ void CudaEngine::WriteControls(Slot& slot) {
 absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                              const std::vector<char>& valid,
                                              bool with_bitmask,
-                                             bool* classified,
-                                             PlanState* plan) {
+                                             bool* classified) {
   *classified = false;
-  // Packed once for the classes and the sampler (RunControlled takes it as
-  // it is where the batch's controls fit one chunk): packed again after
-  // the fused kernel's launch, a batch of 256 rows each with its own
-  // bitmask, 64 bias entries and 128 penalized ids took 3.84-4.10 ms
-  // against 2.64-2.89 (H100, one caller, two alternating rounds).
-  PackControls(slot, batch, valid, 0, batch.rows);
-  *plan = PlanState::kPacked;
   // One request's rows (one params, every row controlled): one row of
   // classes, its first's (the others repeat its packed controls).
   slot.classes_shared = batch.rows > 1;
@@ -1124,32 +1112,28 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
     slot.classes_shared =
         valid[i] && batch.specs[i].params == batch.specs[0].params;
   }
-  ControlledSampleParams params;
+  slot.class_inputs.Build(batch.specs, valid, batch.rows, ride_along_params_,
+                          with_bitmask, slot.classes_shared);
+  const size_t bytes = slot.class_inputs.byte_size();
+  if (bytes > kClassInputBytes) return absl::OkStatus();
+  slot.class_inputs.WriteBytes(slot.host_class_inputs);
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+  // On the copy stream, so that the copy does not queue behind the other
+  // slot's sampler, which rank 0's stream may wait for.
   SlotRank& root = slot.ranks[0];
-  if (with_bitmask) {
-    if (slot.plan.byte_size() > kControlledPlanBudgetBytes) {
-      return absl::OkStatus();
-    }
-    // Every control, the bitmasks too, before the classes' kernel: on the
-    // copy stream, so that the copy does not queue behind the other slot's
-    // sampler, which root.stream may wait for.
-    FS_RETURN_IF_ERROR(UploadControls(slot, batch, valid, 0, batch.rows,
-                                      /*packed=*/true, /*beside=*/true));
-    slot.plan.BindInputs(slot.device_plan, info_.vocab_size, &params);
-    *plan = PlanState::kUploaded;
-  } else {
-    const size_t bytes = slot.plan.rows_and_entries_byte_size();
-    if (bytes > kUnitEntryPlanBytes) return absl::OkStatus();
-    slot.plan.WriteRowsAndEntries(slot.host_entry_plan);
-    FS_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(slot.device_entry_plan, slot.host_entry_plan,
-                              bytes, cudaMemcpyHostToDevice, root.stream),
-              "cudaMemcpyAsync(entries)"));
-    slot.plan.BindInputs(slot.device_entry_plan, info_.vocab_size, &params);
-    params.bitmask = nullptr;  // not copied here: the merge kernel's
-  }
-  if (slot.classes_shared) params.rows = 1;
+  FS_RETURN_IF_ERROR(Check(
+      cudaMemcpyAsync(slot.device_class_inputs, slot.host_class_inputs, bytes,
+                      cudaMemcpyHostToDevice, slot.controls_stream),
+      "cudaMemcpyAsync(token classes)"));
+  FS_RETURN_IF_ERROR(
+      Check(cudaEventRecord(slot.controls_copied, slot.controls_stream),
+            "cudaEventRecord"));
+  FS_RETURN_IF_ERROR(
+      Check(cudaStreamWaitEvent(root.stream, slot.controls_copied, 0),
+            "cudaStreamWaitEvent"));
+  ControlledSampleParams params;
+  slot.class_inputs.BindInputs(slot.device_class_inputs, info_.vocab_size,
+                               &params);
   FS_RETURN_IF_ERROR(Check(
       LaunchUnitTokenClasses(params, slot.unit_token_classes, root.stream),
       "LaunchUnitTokenClasses"));
@@ -1159,9 +1143,8 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
 
 absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
                                         const std::vector<char>& valid,
-                                        int first, int end, bool packed,
-                                        bool beside) {
-  if (!packed) PackControls(slot, batch, valid, first, end);
+                                        int first, int end, bool beside) {
+  PackControls(slot, batch, valid, first, end);
   const size_t bytes = slot.plan.byte_size();
   if (bytes > kControlledPlanBudgetBytes) {
     // SplitRowsByBudget's bounds make this unreachable.
@@ -1194,7 +1177,8 @@ absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
 absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
                                        const std::vector<char>& valid,
                                        int max_samples, int max_top_n,
-                                       Stage1Output stage1, PlanState plan,
+                                       Stage1Output stage1,
+                                       bool bitmask_in_classes,
                                        ControlledOutputLayout* layout) {
   const bool from_units = stage1 == Stage1Output::kUnits ||
                           stage1 == Stage1Output::kClassifiedUnits;
@@ -1243,11 +1227,8 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
         valid[i] ? ControlledRowBytesBound(*batch.specs[i].params)
                  : ControlledRowBytesBound(ride_along_params_));
   }
-  // An uploaded plan fits the staging whole (PrepareTokenClasses).
   const std::vector<std::pair<int, int>> chunks =
-      plan == PlanState::kUploaded
-          ? std::vector<std::pair<int, int>>{{0, batch.rows}}
-          : SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
+      SplitRowsByBudget(slot.row_bounds, kControlledPlanBudgetBytes);
   for (size_t c = 0; c < chunks.size(); ++c) {
     const int first = chunks[c].first;
     const int end = chunks[c].second;
@@ -1256,12 +1237,8 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(
           Check(cudaStreamSynchronize(root.stream), "cudaStreamSynchronize"));
     }
-    if (plan != PlanState::kUploaded) {
-      FS_RETURN_IF_ERROR(
-          UploadControls(slot, batch, valid, first, end,
-                         chunks.size() == 1 && plan == PlanState::kPacked,
-                         /*beside=*/c == 0));
-    }
+    FS_RETURN_IF_ERROR(
+        UploadControls(slot, batch, valid, first, end, /*beside=*/c == 0));
     ControlledSampleParams params;
     slot.plan.BindInputs(slot.device_plan, vocab, &params);
     params.max_samples = max_samples;
@@ -1310,7 +1287,7 @@ absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
       if (stage1 == Stage1Output::kClassifiedUnits) {
         units.token_classes =
             slot.unit_token_classes + at * UnitClassWordsPerRow(vocab);
-        units.bitmask_in_classes = plan == PlanState::kUploaded;
+        units.bitmask_in_classes = bitmask_in_classes;
       }
       FS_RETURN_IF_ERROR(
           Check(LaunchControlledSampleFromUnits(params, units, workspace,
@@ -1453,10 +1430,16 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
   int num_samples = 1;      // the batch's largest n
   int stage1_samples = 1;   // the largest n among rows keeping stage-1 tokens
   int max_top_n = 0;
+  // A request's rows share one params: checked once.
+  const SamplingParams* checked = nullptr;
+  absl::Status row_status;
   for (int i = 0; i < batch.rows; ++i) {
     const RowSpec& spec = batch.specs[i];
     const SamplingParams& params = *spec.params;
-    const absl::Status row_status = ValidateCudaRow(params, info_.vocab_size);
+    if (spec.params != checked) {
+      checked = spec.params;
+      row_status = ValidateCudaRow(params, info_.vocab_size);
+    }
     if (!row_status.ok()) {
       // This row alone fails (Engine::Sample's contract); it rides along as
       // a greedy row whose result is dropped.
@@ -1601,7 +1584,7 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
   // Per-token entries, and bitmask rows whose tails are summed: the units
   // rank by token classes.
   bool classified = false;
-  PlanState plan = PlanState::kEmpty;
+  bool bitmask_in_classes = false;
   if (from_units) {
     bool entries = false;
     bool masked_tails = false;
@@ -1611,11 +1594,8 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
       entries = entries || HasTokenEntries(p);
       masked_tails = masked_tails || NeedsBitmaskInClasses(p, info_.vocab_size);
     }
-    // Decided before packing: a batch that takes its logits packs its
-    // controls after the fused kernel's launch, not before it (64 rows each
-    // with their own bitmask, 64 bias entries and 128 penalized ids:
-    // execution 0.70 ms packed after the launch, 0.91 packed before; H100,
-    // one caller).
+    // Decided from the specs: rows each with their own bitmask take their
+    // logits before any bitmask is copied.
     if (masked_tails && CountPackedBitmasks(batch.specs, by_controls, 0,
                                             batch.rows, ride_along_params_) *
                                 kRowsPerPackedBitmask >
@@ -1623,8 +1603,9 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
       from_units = false;
     } else if (entries || masked_tails) {
       FS_RETURN_IF_ERROR(PrepareTokenClasses(slot, batch, by_controls,
-                                             masked_tails, &classified, &plan));
+                                             masked_tails, &classified));
       from_units = classified;
+      bitmask_in_classes = classified && masked_tails;
     }
   }
   if (from_units && options_.unit_batches_for_tests != nullptr) {
@@ -1639,7 +1620,8 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
   FS_RETURN_IF_ERROR(
       LaunchBatchStage1(slot, batch.rows, stage1_samples, stage1));
   FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
-                                   max_top_n, stage1, plan, &layout));
+                                   max_top_n, stage1, bitmask_in_classes,
+                                   &layout));
   bool keeps_stage1 = false;
   for (int i = 0; i < batch.rows; ++i) {
     keeps_stage1 =
@@ -1673,8 +1655,8 @@ absl::Status CudaEngine::SampleControlled(Slot& slot, const BatchView& batch,
       FS_RETURN_IF_ERROR(EnqueueStage1(slot, batch.rows, stage1_samples,
                                        Stage1Output::kLogits));
       FS_RETURN_IF_ERROR(RunControlled(slot, batch, by_controls, num_samples,
-                                       max_top_n, Stage1Output::kLogits, plan,
-                                       &layout));
+                                       max_top_n, Stage1Output::kLogits,
+                                       /*bitmask_in_classes=*/false, &layout));
       FS_RETURN_IF_ERROR(WaitForBatch(slot));
     }
   }
@@ -1740,7 +1722,9 @@ void CudaEngine::Release() {
       if (slot.unit_token_classes != nullptr) {
         cudaFree(slot.unit_token_classes);
       }
-      if (slot.device_entry_plan != nullptr) cudaFree(slot.device_entry_plan);
+      if (slot.device_class_inputs != nullptr) {
+        cudaFree(slot.device_class_inputs);
+      }
       if (slot.controlled_workspace != nullptr) {
         cudaFree(slot.controlled_workspace);
       }
@@ -1757,7 +1741,9 @@ void CudaEngine::Release() {
     if (slot.host_input != nullptr) cudaFreeHost(slot.host_input);
     if (slot.host_tokens != nullptr) cudaFreeHost(slot.host_tokens);
     if (slot.host_plan != nullptr) cudaFreeHost(slot.host_plan);
-    if (slot.host_entry_plan != nullptr) cudaFreeHost(slot.host_entry_plan);
+    if (slot.host_class_inputs != nullptr) {
+      cudaFreeHost(slot.host_class_inputs);
+    }
     if (slot.host_outputs != nullptr) cudaFreeHost(slot.host_outputs);
   }
   slots_.clear();

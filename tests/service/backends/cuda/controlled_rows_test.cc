@@ -452,16 +452,6 @@ TEST(ControlledRowsTest, RowsOfOneParamsShareTheirPackedControls) {
   std::vector<unsigned char> written(shared.byte_size(), 0xee);
   shared.WriteBytes(written.data());
   EXPECT_EQ(written, bytes);
-  // The rows and entries alone: bytes() up to the bitmasks, nothing past.
-  const size_t prefix = shared.rows_and_entries_byte_size();
-  ASSERT_LT(prefix, bytes.size());
-  std::vector<unsigned char> rows_and_entries(bytes.size(), 0xee);
-  shared.WriteRowsAndEntries(rows_and_entries.data());
-  EXPECT_TRUE(std::equal(bytes.begin(), bytes.begin() + prefix,
-                         rows_and_entries.begin()));
-  EXPECT_TRUE(std::all_of(rows_and_entries.begin() + prefix,
-                          rows_and_entries.end(),
-                          [](unsigned char b) { return b == 0xee; }));
 }
 
 // With a pool and enough entries the rows merge on several threads into
@@ -558,6 +548,96 @@ TEST(ControlledRowsTest, RowsMergedOnAPoolPackTheSameBytes) {
                       ParallelForOrInline(&pool, n, copy);
                     });
   EXPECT_EQ(written, pooled.bytes());
+}
+
+// The token classes' inputs, unmerged, mark each row's tokens as the packed
+// plan's entries do: the same set of ids per row (repeated and unsorted
+// ids allowed), no id the plan leaves out (a prompt without a repetition
+// penalty, an output count of 0), each row's bitmask where asked for, and
+// a refused row or a repeat as the plan packs it.
+TEST(ControlledRowsTest, TokenClassInputsMarkThePlansEntries) {
+  std::mt19937 gen(5);
+  std::uniform_int_distribution<int32_t> id(0, kVocab - 1);
+  std::vector<SamplingParams> params(12);
+  for (size_t p = 0; p < params.size(); ++p) {
+    SamplingParams& row = params[p];
+    if (p % 4 == 1) continue;  // no entries
+    for (int e = 0; e < 10; ++e) row.logit_bias.push_back({id(gen), 0.5f});
+    row.logit_bias.push_back(row.logit_bias.front());  // an id twice
+    row.banned_token_ids = {id(gen)};
+    row.repetition_penalty = p % 2 ? 1.2f : 1.0f;
+    for (int e = 0; e < 8; ++e) row.prompt_token_ids.push_back(id(gen));
+    row.output_token_counts = {{id(gen), 3}, {id(gen), 0}, {id(gen), 1}};
+    if (p % 3 == 0) {
+      row.allowed_bitmask.assign((kVocab + 31) / 32, 0u);
+      for (int t = 0; t < kVocab; t += 1 + static_cast<int>(p)) {
+        row.allowed_bitmask.mutable_words()[t / 32] |= 1u << (t % 32);
+      }
+    }
+  }
+  SamplingParams ride_along;
+  ride_along.temperature = 0.0f;
+  std::vector<RowSpec> specs;
+  std::vector<char> valid;
+  for (size_t p = 0; p < params.size(); ++p) {
+    for (size_t repeat = 0; repeat < 1 + p % 2; ++repeat) {
+      specs.push_back({&params[p], specs.size(), 0});
+      valid.push_back(specs.size() % 7 != 0);
+    }
+  }
+  const int rows = static_cast<int>(specs.size());
+  ControlledPackScratch scratch;
+  ControlledPlan plan;
+  PackControlledRows(specs.data(), valid, 0, rows, ride_along, &scratch, &plan);
+  const std::vector<uint32_t> plan_words = plan.bitmask();
+  const size_t words = (kVocab + 31) / 32;
+  for (bool with_bitmask : {false, true}) {
+    TokenClassInputs inputs;
+    inputs.Build(specs.data(), valid, rows, ride_along, with_bitmask,
+                 /*shared=*/false);
+    std::vector<unsigned char> bytes(inputs.byte_size(), 0xee);
+    inputs.WriteBytes(bytes.data());
+    ControlledSampleParams bound;
+    inputs.BindInputs(bytes.data(), kVocab, &bound);
+    ASSERT_EQ(bound.rows, rows);
+    EXPECT_EQ(bound.vocab, kVocab);
+    EXPECT_EQ(bound.bitmask == nullptr, !with_bitmask);
+    for (int r = 0; r < rows; ++r) {
+      const ControlledRow& got = bound.row_controls[r];
+      const ControlledRow& want = plan.row_controls()[r];
+      std::vector<int32_t> ids(bound.special_ids + got.special_begin,
+                               bound.special_ids + got.special_end);
+      std::sort(ids.begin(), ids.end());
+      ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      const std::vector<int32_t> merged(
+          plan.special_ids().begin() + want.special_begin,
+          plan.special_ids().begin() + want.special_end);
+      EXPECT_EQ(ids, merged) << "row " << r;
+      ASSERT_EQ(got.bitmask_offset >= 0,
+                with_bitmask && want.bitmask_offset >= 0)
+          << "row " << r;
+      if (got.bitmask_offset < 0) continue;
+      EXPECT_TRUE(std::equal(bound.bitmask + got.bitmask_offset,
+                             bound.bitmask + got.bitmask_offset + words,
+                             plan_words.begin() + want.bitmask_offset))
+          << "row " << r;
+    }
+  }
+  // One request's rows: the first row alone.
+  std::vector<RowSpec> one(5, RowSpec{&params[0], 1, 0});
+  TokenClassInputs shared;
+  shared.Build(one.data(), std::vector<char>(5, 1), 5, ride_along,
+               /*with_bitmask=*/true, /*shared=*/true);
+  std::vector<unsigned char> bytes(shared.byte_size());
+  shared.WriteBytes(bytes.data());
+  ControlledSampleParams bound;
+  shared.BindInputs(bytes.data(), kVocab, &bound);
+  ASSERT_EQ(bound.rows, 1);
+  EXPECT_EQ(
+      bound.row_controls[0].special_end - bound.row_controls[0].special_begin,
+      static_cast<int64_t>(params[0].logit_bias.size() +
+                           params[0].banned_token_ids.size() + 2));
+  EXPECT_EQ(bound.row_controls[0].bitmask_offset, 0);
 }
 
 TEST(ControlledRowsTest, BatchesOverTheBudgetSplitIntoChunksThatFit) {
