@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs HERE (no GPU needed): builds the GPU tests, fs_bench and, when they
-# build, flashsamplerd, fs_load and the tensor-parallel test and benchmark
-# for sm_90a in a separate build directory (build-device/), and copies
+# build, flashsamplerd, fs_load, fs_engine_bench and the tensor-parallel
+# test and benchmark for sm_90a in a separate build directory
+# (build-device/), and copies
 # them with every non-system shared library they need into .device_bundle/
 # (ignored by git) as one xz archive (OpenBLAS alone is 36 MB unpacked; the
 # archive is ~17 MB). Take that folder to the GPU machine and run

@@ -7,7 +7,8 @@
 #
 #   tools/device/run.sh <outdir> [tests|bench|all]
 #
-# The bench also runs fs_controls_bench (FS_CONTROLS_BENCH=0 skips it) and
+# The bench also runs fs_controls_bench (FS_CONTROLS_BENCH=0 skips it),
+# fs_engine_bench where the bundle has it (FS_ENGINE_BENCH=0 skips it) and
 # times the fused / cuBLAS pair at B = 128 and 256 again with
 # 1000 calls per method (results_steady.csv; FS_BENCH_STEADY=0 skips it):
 # there every method runs at the GPU's power cap, and a 100-call median moves
@@ -113,6 +114,14 @@ if [[ $mode == bench || $mode == all ]]; then
     timeout "${FS_BENCH_TIMEOUT:-300}" "$bundle/bin/fs_controls_bench" \
       --out "$out" ${FS_CONTROLS_BENCH_ARGS:-} 2>&1 | tee -a "$log"
     summary+=("$(printf '%-28s rc=%s' fs_controls_bench "${PIPESTATUS[0]}")")
+  fi
+  if [[ ${FS_ENGINE_BENCH:-1} != 0 && -x $bundle/bin/fs_engine_bench ]]; then
+    # One batch in the CUDA engine, host included, for each mix of
+    # controls against the plain batch (results_engine.csv).
+    say "== fs_engine_bench"
+    timeout "${FS_BENCH_TIMEOUT:-300}" "$bundle/bin/fs_engine_bench" \
+      --out "$out" --iters 40 --warmup 8 2>&1 | tee -a "$log"
+    summary+=("$(printf '%-28s rc=%s' fs_engine_bench "${PIPESTATUS[0]}")")
   fi
   if [[ ${FS_BENCH_STEADY:-1} != 0 ]]; then
     say "== fs_bench, steady state: 1000 calls per method at B = 128 and 256"
