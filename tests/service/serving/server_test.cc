@@ -359,6 +359,45 @@ TEST(ServerTest, StreamAnswersInOrderAndSurvivesABadMessage) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+// A stream's message is read and decoded as a Sample() request is: rows
+// whose row_params fill 64 KB and more (decoded on the parse pool) give the
+// same tokens, and the same error naming the row and entry, on both.
+TEST(ServerTest, StreamDecodesLargeRowParamsAsSampleDoes) {
+  FakeServer f = Start();
+  v1::SampleRequest good = MakeRequest(6, kHidden, 77);
+  for (int r = 0; r < 6; ++r) {
+    v1::SamplingParams* row = good.add_row_params();
+    row->set_repetition_penalty(1.2f);
+    for (int i = 0; i < 8000; ++i)
+      row->add_prompt_token_ids((i * 37 + r) % kVocab);
+  }
+  ASSERT_GE(good.ByteSizeLong(), size_t{64} << 10);
+  v1::SampleRequest bad = good;
+  bad.mutable_row_params(4)->set_prompt_token_ids(3001, -1);
+  grpc::ClientContext context;
+  std::unique_ptr<Stream> stream = f.stub->SampleStream(&context);
+  ASSERT_TRUE(stream->Write(good));
+  ASSERT_TRUE(stream->Write(bad));
+  stream->WritesDone();
+  v1::SampleResponse streamed_good, streamed_bad;
+  ASSERT_TRUE(stream->Read(&streamed_good));
+  ASSERT_TRUE(stream->Read(&streamed_bad));
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_FALSE(streamed_good.has_error());
+  EXPECT_THAT(streamed_good.token_ids(),
+              ElementsAreArray(ExpectedFakeTokens(good, kVocab)));
+  v1::SampleResponse unary;
+  ASSERT_TRUE(Call(f, good, &unary).ok());
+  EXPECT_THAT(unary.token_ids(), ElementsAreArray(streamed_good.token_ids()));
+  const grpc::Status refused = Call(f, bad, &unary);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.error_message(),
+              StartsWith("row_params[4].prompt_token_ids[3001]: "));
+  EXPECT_EQ(streamed_bad.error().code(),
+            static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_EQ(streamed_bad.error().message(), refused.error_message());
+}
+
 TEST(ServerTest, StreamErrorWaitsForEarlierAnswers) {
   FakeServer f = Start();
   f.state->CloseGate();
