@@ -43,8 +43,8 @@ class SamplerService final : public SamplerServiceBase {
   // `batcher`, `metrics` and `shared_memory` (null: the daemon serves no
   // shared memory) must outlive the service. `model_info` is what
   // GetModelInfo returns.
-  // `parse_threads` help unary handlers parse large row_params
-  // (ServerOptions::parse_threads).
+  // `parse_threads` help handlers parse large row_params (Sample and
+  // SampleStream; ServerOptions::parse_threads).
   SamplerService(Batcher* batcher, Metrics* metrics, CodecConfig codec,
                  v1::ModelInfo model_info, int max_stream_in_flight,
                  int parse_threads,

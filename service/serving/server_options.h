@@ -79,11 +79,12 @@ struct ServerOptions {
   // Most requests of one SampleStream accepted but not yet answered; the
   // server stops reading that stream until a response has been written.
   int max_stream_in_flight = 32;
-  // Threads that help a unary Sample handler parse its request's row_params
-  // once they hold 64 KB or more (kParallelRowParamsBytes), beside the
-  // handler's own; 0: the handler alone. Each row's controls are a message
-  // protobuf parses on one thread, about 10 us a row with a bitmask, 64
-  // bias entries and 128 penalized ids (a development host).
+  // Threads that help a handler parse a Sample request's or a SampleStream
+  // message's row_params once they hold 64 KB or more
+  // (kParallelRowParamsBytes), beside the handler's own; 0: the handler alone.
+  // Each row's controls are a message protobuf parses on one thread, about 10
+  // us a row with a bitmask, 64 bias entries and 128 penalized ids (a
+  // development host).
   int parse_threads = 4;
   // Most shared-memory regions callers may register at once
   // (RegisterSharedMemory; service/serving/shared_memory.h). 0: none, every
