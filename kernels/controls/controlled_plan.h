@@ -82,8 +82,8 @@ class ControlledPlan {
   // entries sized for its keys, and the regions are then closed up in row
   // order, so that the plan holds the same bytes as row after row. 256 rows
   // each with 64 bias entries and 128 penalized ids merge in about 1 ms on
-  // one core of a development host (SortKeysById), all of it before the
-  // fused kernel when the rows take the units.
+  // one core of a development host (SortKeysById); the CUDA engine merges
+  // while the batch's fused kernel runs.
   template <typename ForEach>
   void AddRows(const std::vector<RowToAdd>& rows, ForEach&& for_each) {
     const size_t first = special_ids_.size();

@@ -303,7 +303,6 @@ class SampleStreamReactor final
     // Parsed as a Sample() request is: hidden states left in the slices,
     // large row_params on the parse pool.
     WireRequest wire;
-    v1::SampleRequest& request = wire.request;
     v1::SampleResponse response;
     grpc::ByteBuffer response_bytes;  // what is written
     DecodedRequest decoded;
@@ -422,7 +421,7 @@ class SampleStreamReactor final
   void SetError(Entry* e, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     e->response.Clear();
-    e->response.set_request_id(e->request.request_id());
+    e->response.set_request_id(e->wire.request.request_id());
     e->response.mutable_error()->set_code(static_cast<int>(status.code()));
     e->response.mutable_error()->set_message(std::string(status.message()));
     // An error response of a code and a message always serializes.
@@ -439,7 +438,8 @@ class SampleStreamReactor final
     const absl::Time answered = absl::Now();
     absl::Status s = status;
     if (s.ok()) {
-      s = EncodeSampleResponse(e->request, e->decoded, results, &e->response);
+      s = EncodeSampleResponse(e->wire.request, e->decoded, results,
+                               &e->response);
     }
     if (s.ok()) {
       SetTiming(timing, &e->response);

@@ -391,6 +391,12 @@ class CudaEngine final : public Engine {
   absl::Status UploadControls(Slot& slot, const BatchView& batch,
                               const std::vector<char>& valid, int first,
                               int end, bool beside);
+  // Queues the copy of `bytes` from pinned `host` to `device` on the slot's
+  // copy stream and makes rank 0's stream wait for it: the copy runs beside
+  // whatever rank 0's stream is doing, or waiting for (the other slot's
+  // sampler), and what rank 0 queues next reads it.
+  absl::Status CopyBesideRootStream(Slot& slot, void* device, const void* host,
+                                    size_t bytes, const char* what);
   // Before stage 1 of a batch served from unit candidates with per-token
   // entries, or with bitmask rows whose tails are summed (with_bitmask):
   // copies the rows' entry ids, and with_bitmask their bitmasks
@@ -1106,7 +1112,7 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                              bool* classified) {
   *classified = false;
   // One request's rows (one params, every row controlled): one row of
-  // classes, its first's (the others repeat its packed controls).
+  // classes, its first's, which every row ranks by.
   slot.classes_shared = batch.rows > 1;
   for (int i = 0; i < batch.rows && slot.classes_shared; ++i) {
     slot.classes_shared =
@@ -1118,25 +1124,16 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
   if (bytes > kClassInputBytes) return absl::OkStatus();
   slot.class_inputs.WriteBytes(slot.host_class_inputs);
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-  // On the copy stream, so that the copy does not queue behind the other
-  // slot's sampler, which rank 0's stream may wait for.
-  SlotRank& root = slot.ranks[0];
-  FS_RETURN_IF_ERROR(Check(
-      cudaMemcpyAsync(slot.device_class_inputs, slot.host_class_inputs, bytes,
-                      cudaMemcpyHostToDevice, slot.controls_stream),
-      "cudaMemcpyAsync(token classes)"));
-  FS_RETURN_IF_ERROR(
-      Check(cudaEventRecord(slot.controls_copied, slot.controls_stream),
-            "cudaEventRecord"));
-  FS_RETURN_IF_ERROR(
-      Check(cudaStreamWaitEvent(root.stream, slot.controls_copied, 0),
-            "cudaStreamWaitEvent"));
+  FS_RETURN_IF_ERROR(CopyBesideRootStream(slot, slot.device_class_inputs,
+                                          slot.host_class_inputs, bytes,
+                                          "cudaMemcpyAsync(token classes)"));
   ControlledSampleParams params;
   slot.class_inputs.BindInputs(slot.device_class_inputs, info_.vocab_size,
                                &params);
-  FS_RETURN_IF_ERROR(Check(
-      LaunchUnitTokenClasses(params, slot.unit_token_classes, root.stream),
-      "LaunchUnitTokenClasses"));
+  FS_RETURN_IF_ERROR(
+      Check(LaunchUnitTokenClasses(params, slot.unit_token_classes,
+                                   slot.ranks[0].stream),
+            "LaunchUnitTokenClasses"));
   *classified = true;
   return absl::OkStatus();
 }
@@ -1160,18 +1157,28 @@ absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
   // Nothing else of this batch reads device_plan before the sampler, and
   // the slot's previous batch has finished; a later chunk's copy follows
   // the previous chunk's sampler, which read device_plan, on root.stream.
-  SlotRank& root = slot.ranks[0];
+  if (beside) {
+    return CopyBesideRootStream(slot, slot.device_plan, slot.host_plan, bytes,
+                                "cudaMemcpyAsync(controls)");
+  }
+  return Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
+                               cudaMemcpyHostToDevice, slot.ranks[0].stream),
+               "cudaMemcpyAsync(controls)");
+}
+
+absl::Status CudaEngine::CopyBesideRootStream(Slot& slot, void* device,
+                                              const void* host, size_t bytes,
+                                              const char* what) {
   FS_RETURN_IF_ERROR(
-      Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
-                            cudaMemcpyHostToDevice,
-                            beside ? slot.controls_stream : root.stream),
-            "cudaMemcpyAsync(controls)"));
-  if (!beside) return absl::OkStatus();
+      Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice,
+                            slot.controls_stream),
+            what));
   FS_RETURN_IF_ERROR(
       Check(cudaEventRecord(slot.controls_copied, slot.controls_stream),
             "cudaEventRecord"));
-  return Check(cudaStreamWaitEvent(root.stream, slot.controls_copied, 0),
-               "cudaStreamWaitEvent");
+  return Check(
+      cudaStreamWaitEvent(slot.ranks[0].stream, slot.controls_copied, 0),
+      "cudaStreamWaitEvent");
 }
 
 absl::Status CudaEngine::RunControlled(Slot& slot, const BatchView& batch,
