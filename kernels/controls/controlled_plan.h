@@ -1,8 +1,9 @@
 // Host-side packer for the controlled sampler: turns each row's plain control
 // lists (bias, bans, prompt and output ids, bitmask) into the merged,
-// id-sorted per-token entries and ControlledRow array the kernel reads, laid
-// out in one byte buffer so a batch costs one host-to-device copy.
-// Header-only; knows nothing of the service's types.
+// id-sorted per-token entries and ControlledRow array the kernel reads, or
+// leaves a row's lists as they come for the device's merge
+// (LaunchMergePendingEntries), laid out in one byte buffer so a batch costs
+// one host-to-device copy. Header-only; knows nothing of the service's types.
 #ifndef FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_PLAN_H_
 #define FLASHSAMPLER_KERNELS_CONTROLS_CONTROLLED_PLAN_H_
 
@@ -82,25 +83,46 @@ class ControlledPlan {
   // entries sized for its keys, and the regions are then closed up in row
   // order, so that the plan holds the same bytes as row after row. 256 rows
   // each with 64 bias entries and 128 penalized ids merge in about 1 ms on
-  // one core of a development host (SortKeysById); the CUDA engine merges
-  // while the batch's fused kernel runs.
+  // one core of a development host (SortKeysById).
+  // A row with 1 .. `pending_max_keys` keys (at most kPendingMaxKeys) is
+  // not merged here: its list entries are written as they come, its region
+  // stays whole and empty (special_end = special_begin), and
+  // LaunchMergePendingEntries, run on the device copy of bytes(), merges
+  // it there into what this would have written (pending_merges()).
   template <typename ForEach>
-  void AddRows(const std::vector<RowToAdd>& rows, ForEach&& for_each) {
+  void AddRows(const std::vector<RowToAdd>& rows, ForEach&& for_each,
+               size_t pending_max_keys = 0) {
+    pending_max_keys =
+        std::min(pending_max_keys, static_cast<size_t>(kPendingMaxKeys));
     const size_t first = special_ids_.size();
     region_begin_.resize(rows.size());
     region_entries_.resize(rows.size());
+    pending_begin_.resize(rows.size());
     size_t end = first;
+    size_t pending_end = pending_entries_.size();
     for (size_t i = 0; i < rows.size(); ++i) {
       region_begin_[i] = end;
-      if (rows[i].in != nullptr) end += KeyCount(*rows[i].in);
+      pending_begin_[i] = kNotPending;
+      if (rows[i].in == nullptr) continue;
+      const size_t keys = KeyCount(*rows[i].in);
+      end += keys;
+      if (keys > 0 && keys <= pending_max_keys) {
+        pending_begin_[i] = pending_end;
+        pending_end += keys;
+      }
     }
     ResizeEntries(end);
+    pending_entries_.resize(pending_end);
     for_each(static_cast<int64_t>(rows.size()), [&](int64_t i) {
-      const RowToAdd& row = rows[static_cast<size_t>(i)];
+      const size_t r = static_cast<size_t>(i);
+      const RowToAdd& row = rows[r];
       if (row.in == nullptr) return;
+      if (pending_begin_[r] != kNotPending) {
+        region_entries_[r] = WritePendingEntries(*row.in, pending_begin_[r]);
+        return;
+      }
       thread_local std::vector<uint64_t> keys;
-      region_entries_[static_cast<size_t>(i)] =
-          MergeEntries(*row.in, region_begin_[static_cast<size_t>(i)], &keys);
+      region_entries_[r] = MergeEntries(*row.in, region_begin_[r], &keys);
     });
     size_t at = first;
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -110,6 +132,20 @@ class ControlledPlan {
       }
       const size_t from = region_begin_[i];
       const size_t count = region_entries_[i];
+      if (pending_begin_[i] != kNotPending && count > 0) {
+        // The device writes up to `count` entries from `at` on: the region
+        // keeps its whole size.
+        PendingMergeRow merge;
+        merge.first_row = static_cast<int32_t>(rows_.size());
+        merge.key_count = static_cast<int32_t>(count);
+        merge.key_begin = static_cast<int64_t>(pending_begin_[i]);
+        pending_merges_.push_back(merge);
+        max_pending_keys_ = std::max(max_pending_keys_, count);
+        AppendRow(*rows[i].in, at, at);
+        last_row_pending_ = true;
+        at += count;
+        continue;
+      }
       if (from != at) {
         // Down to `at` < `from`: a forward copy of overlapping ranges.
         auto move_down = [from, count, at](auto& entries) {
@@ -122,6 +158,7 @@ class ControlledPlan {
         move_down(special_count_);
       }
       AppendRow(*rows[i].in, at, at + count);
+      last_row_pending_ = false;
       at += count;
     }
     ResizeEntries(at);
@@ -138,9 +175,18 @@ class ControlledPlan {
     row.seed = seed;
     row.step = step;
     rows_.push_back(row);
+    if (last_row_pending_) ++pending_merges_.back().rows;
   }
 
   int rows() const { return static_cast<int>(rows_.size()); }
+  // The rows left for LaunchMergePendingEntries (AddRows' pending_max_keys),
+  // one record per row and the rows repeating it.
+  const std::vector<PendingMergeRow>& pending_merges() const {
+    return pending_merges_;
+  }
+  const std::vector<PendingListEntry>& pending_entries() const {
+    return pending_entries_;
+  }
   // The bitmasks bytes() holds: one per row added with a bitmask (repeated
   // rows share theirs).
   size_t packed_bitmasks() const { return bitmask_rows_.size(); }
@@ -172,6 +218,10 @@ class ControlledPlan {
     special_bias_.clear();
     special_count_.clear();
     bitmask_rows_.clear();
+    pending_merges_.clear();
+    pending_entries_.clear();
+    max_pending_keys_ = 0;
+    last_row_pending_ = false;
     bitmask_words_ = 0;
     max_samples_ = 1;
     max_top_n_ = 0;
@@ -231,6 +281,24 @@ class ControlledPlan {
         std::max(0, max_top_n_), std::max<int64_t>(vocab, 0)));
   }
 
+  // Points `merges` into a device copy of bytes() (writable: the merge
+  // writes the pending rows' entries and special_end there).
+  void BindPendingMerges(void* device_bytes, PendingMerges* merges) const {
+    const Layout layout = MakeLayout();
+    unsigned char* base = static_cast<unsigned char*>(device_bytes);
+    merges->count = static_cast<int>(pending_merges_.size());
+    merges->max_keys = static_cast<int>(max_pending_keys_);
+    merges->merges =
+        reinterpret_cast<const PendingMergeRow*>(base + layout.pending_merges);
+    merges->entries = reinterpret_cast<const PendingListEntry*>(
+        base + layout.pending_entries);
+    merges->row_controls = reinterpret_cast<ControlledRow*>(base + layout.rows);
+    merges->special_ids = reinterpret_cast<int32_t*>(base + layout.ids);
+    merges->special_flags = base + layout.flags;
+    merges->special_bias = reinterpret_cast<float*>(base + layout.bias);
+    merges->special_count = reinterpret_cast<int32_t*>(base + layout.count);
+  }
+
  private:
   // bytes() up to the bitmasks: the rows and their entries.
   void WriteRowsAndEntries(void* out) const {
@@ -248,6 +316,10 @@ class ControlledPlan {
     put(layout.flags, special_flags_.data(), special_flags_.size());
     put(layout.bias, special_bias_.data(), 4 * special_bias_.size());
     put(layout.count, special_count_.data(), 4 * special_count_.size());
+    put(layout.pending_merges, pending_merges_.data(),
+        sizeof(PendingMergeRow) * pending_merges_.size());
+    put(layout.pending_entries, pending_entries_.data(),
+        sizeof(PendingListEntry) * pending_entries_.size());
     put(layout.bitmask, nullptr, 0);
   }
 
@@ -261,7 +333,8 @@ class ControlledPlan {
   };
 
   struct Layout {
-    size_t rows, ids, flags, bias, count, bitmask, total;
+    size_t rows, ids, flags, bias, count, pending_merges, pending_entries,
+        bitmask, total;
   };
   struct BitmaskRow {
     const uint32_t* words;
@@ -399,6 +472,36 @@ class ControlledPlan {
     return entries - at;
   }
 
+  // Writes the row's list entries from pending_entries_[at] on, in
+  // MergeEntries' key order before sorting, and returns how many (its
+  // KeyCount).
+  size_t WritePendingEntries(const ControlledRowInput& in, size_t at) {
+    PendingListEntry* next = pending_entries_.data() + at;
+    auto put = [&next](int32_t id, uint32_t kind, uint32_t value) {
+      next->id_kind = static_cast<uint32_t>(id) | kind << kPendingKindShift;
+      next->value = value;
+      ++next;
+    };
+    for (size_t i = 0; i < in.num_bias; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &in.bias_values[i], sizeof(bits));
+      put(in.bias_ids[i], kPendingBias, bits);
+    }
+    for (size_t i = 0; i < in.num_banned; ++i)
+      put(in.banned_ids[i], kPendingBanned, 0);
+    if (in.repetition_penalty != 1.0f) {
+      for (size_t i = 0; i < in.num_prompt; ++i)
+        put(in.prompt_ids[i], kPendingPrompt, 0);
+    }
+    for (size_t i = 0; i < in.num_output; ++i) {
+      if (in.output_counts[i] > 0) {
+        put(in.output_ids[i], kPendingOutput,
+            static_cast<uint32_t>(in.output_counts[i]));
+      }
+    }
+    return static_cast<size_t>(next - (pending_entries_.data() + at));
+  }
+
   // Appends the row's controls, its entries [begin, end) and its bitmask.
   void AppendRow(const ControlledRowInput& in, size_t begin, size_t end) {
     ControlledRow row;
@@ -443,6 +546,10 @@ class ControlledPlan {
     at = align(at + 4 * special_bias_.size());
     l.count = at;
     at = align(at + 4 * special_count_.size());
+    l.pending_merges = at;
+    at = align(at + sizeof(PendingMergeRow) * pending_merges_.size());
+    l.pending_entries = at;
+    at = align(at + sizeof(PendingListEntry) * pending_entries_.size());
     l.bitmask = at;
     at = align(at + 4 * bitmask_words_);
     l.total = std::max<size_t>(at, 256);
@@ -455,8 +562,14 @@ class ControlledPlan {
   std::vector<float> special_bias_;
   std::vector<int32_t> special_count_;
   std::vector<BitmaskRow> bitmask_rows_;  // the callers' arrays, in order
-  std::vector<size_t> region_begin_;      // AddRows' scratch, a row each
+  std::vector<PendingMergeRow> pending_merges_;
+  std::vector<PendingListEntry> pending_entries_;
+  size_t max_pending_keys_ = 0;
+  bool last_row_pending_ = false;  // RepeatLastRow extends its merge
+  static constexpr size_t kNotPending = ~size_t{0};
+  std::vector<size_t> region_begin_;  // AddRows' scratch, a row each
   std::vector<size_t> region_entries_;
+  std::vector<size_t> pending_begin_;
   size_t bitmask_words_ = 0;
   int max_samples_ = 1;
   int max_top_n_ = 0;

@@ -100,6 +100,16 @@ cudaError_t LaunchControlledSampleFromUnits(
     const ControlledSampleParams& params, const ControlledUnits& units,
     void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// Merges the pending rows' list entries (ControlledPlan::AddRows'
+// pending_max_keys) in a device copy of the plan's bytes, one CTA a row:
+// afterwards those bytes are what the host merge would have written (the
+// pending rows' entries and special_end; the rest of each row's region
+// unused). Must run after the copy and before any kernel that reads the
+// entries. cudaErrorInvalidValue for bad arguments; nothing to merge is
+// cudaSuccess.
+cudaError_t LaunchMergePendingEntries(const PendingMerges& merges,
+                                      cudaStream_t stream);
+
 // Self-check of the top-p masses: out[i] = the device's FixedMass(x[i],
 // x_max) (kernels/controls/controlled_math.h), for comparing its exp with
 // the host's.

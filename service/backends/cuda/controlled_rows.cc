@@ -147,7 +147,7 @@ ControlledRowInput ControlledInputFrom(const RowSpec& spec,
 void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
                         int first, int end, const SamplingParams& ride_along,
                         ControlledPackScratch* scratch, ControlledPlan* plan,
-                        ThreadPool* pool) {
+                        ThreadPool* pool, bool device_merge) {
   // Each row an input or a repeat. An input points into its lists' element
   // buffers, which stay put when `scratch->lists` grows (the lists are
   // moved, not copied); the rows point at the inputs, which do not move
@@ -177,10 +177,14 @@ void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
     scratch->rows.push_back(row);
   }
   ThreadPool* merge_pool = entries >= kParallelPackEntries ? pool : nullptr;
-  plan->AddRows(scratch->rows,
-                [merge_pool](int64_t n, absl::FunctionRef<void(int64_t)> fn) {
-                  ParallelForOrInline(merge_pool, n, fn);
-                });
+  const size_t pending_max_keys =
+      device_merge && entries >= kDeviceMergeEntries ? kPendingMaxKeys : 0;
+  plan->AddRows(
+      scratch->rows,
+      [merge_pool](int64_t n, absl::FunctionRef<void(int64_t)> fn) {
+        ParallelForOrInline(merge_pool, n, fn);
+      },
+      pending_max_keys);
 }
 
 size_t CountPackedBitmasks(const RowSpec* specs, const std::vector<char>& valid,
@@ -290,7 +294,14 @@ void TokenClassInputs::BindInputs(const void* device_bytes, int64_t vocab,
 }
 
 size_t ControlledRowBytesBound(const SamplingParams& p) {
-  return sizeof(ControlledRow) + kBytesPerListEntry * ListEntries(p) +
+  // A row with kPendingMaxKeys keys or fewer may be left to the device's
+  // merge: its list entries are packed as they come as well.
+  const size_t entries = ListEntries(p);
+  const size_t pending =
+      sizeof(PendingMergeRow) +
+      sizeof(PendingListEntry) *
+          std::min(entries, static_cast<size_t>(kPendingMaxKeys));
+  return sizeof(ControlledRow) + kBytesPerListEntry * entries + pending +
          sizeof(uint32_t) * p.allowed_bitmask.size();
 }
 

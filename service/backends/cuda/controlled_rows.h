@@ -40,8 +40,8 @@ constexpr int kCudaMaxTopLogprobs = 256;
 // exceed the budget is refused, with INVALID_ARGUMENT for that row alone.
 constexpr size_t kControlledPlanBudgetBytes = size_t{16} << 20;
 
-// ControlledPlan's layout pads each of its six arrays to 256 bytes.
-constexpr size_t kControlledPlanLayoutSlack = 6 * 256;
+// ControlledPlan's layout pads each of its eight arrays to 256 bytes.
+constexpr size_t kControlledPlanLayoutSlack = 8 * 256;
 
 // The RowResult::exact_fallback label of controlled rows whose candidates
 // could not certify the sample, so the full passes over the row's logits
@@ -120,17 +120,27 @@ struct ControlledPackScratch {
 // development host (random ids).
 inline constexpr size_t kParallelPackEntries = 4096;
 
+// Rows whose list entries number this many or more in all are merged on
+// the GPU where the caller allows it (PackControlledRows' device_merge):
+// the host's merge of a batch runs beside its fused kernel, and from about
+// this size on it can outlast it, where the device's takes microseconds.
+inline constexpr size_t kDeviceMergeEntries = 4096;
+
 // Adds rows [first, end) of `specs` to `plan` in order. A refused row
 // (valid[i] == 0) keeps its place with `ride_along`'s controls (its outputs
 // are ignored); a row whose params are the row before's (a request's
 // broadcast params) repeats that row's packed controls
 // (ControlledPlan::RepeatLastRow) instead of packing them again. With a
 // `pool` and kParallelPackEntries or more entries, the rows' entries are
-// merged on its workers and the calling thread; the plan is the same.
+// merged on its workers and the calling thread; the plan is the same. With
+// `device_merge` (the vocabulary at most kPendingMaxVocab) and
+// kDeviceMergeEntries or more entries, the rows of up to kPendingMaxKeys
+// keys are left pending for LaunchMergePendingEntries
+// (ControlledPlan::AddRows).
 void PackControlledRows(const RowSpec* specs, const std::vector<char>& valid,
                         int first, int end, const SamplingParams& ride_along,
                         ControlledPackScratch* scratch, ControlledPlan* plan,
-                        ThreadPool* pool = nullptr);
+                        ThreadPool* pool = nullptr, bool device_merge = false);
 
 // The bitmasks PackControlledRows would pack for the same rows (its plan's
 // packed_bitmasks()): one per row with a bitmask whose params are not the
@@ -180,8 +190,9 @@ class TokenClassInputs {
 };
 
 // Upper bound of the bytes a row adds to ControlledPlan::bytes() (its
-// ControlledRow, 13 bytes per list entry before merging, its bitmask),
-// without the layout's padding.
+// ControlledRow, 13 bytes per list entry before merging, the entries as they
+// come where the device merges them, its bitmask), without the layout's
+// padding.
 size_t ControlledRowBytesBound(const SamplingParams& p);
 
 // Consecutive [first, end) row chunks whose bounds (each <= budget -

@@ -384,10 +384,10 @@ class CudaEngine final : public Engine {
   // slot.plan's bytes into slot.host_plan, the bitmasks on the pack pool
   // from kParallelCopyBitmasks on.
   void WriteControls(Slot& slot);
-  // Packs rows [first, end) and queues their copy to device_plan: on the
-  // copy stream beside stage 1, which rank 0's stream waits for before the
-  // sampler, or (a later chunk) on rank 0's stream after the previous
-  // chunk's sampler.
+  // Packs rows [first, end) and queues their copy to device_plan and the
+  // merge of their pending rows' entries there: on the copy stream beside
+  // stage 1, which rank 0's stream waits for before the sampler, or (a
+  // later chunk) on rank 0's stream after the previous chunk's sampler.
   absl::Status UploadControls(Slot& slot, const BatchView& batch,
                               const std::vector<char>& valid, int first,
                               int end, bool beside);
@@ -397,6 +397,8 @@ class CudaEngine final : public Engine {
   // sampler), and what rank 0 queues next reads it.
   absl::Status CopyBesideRootStream(Slot& slot, void* device, const void* host,
                                     size_t bytes, const char* what);
+  // Makes rank 0's stream wait for what the slot's copy stream has queued.
+  absl::Status RootStreamWaitsForCopies(Slot& slot);
   // Before stage 1 of a batch served from unit candidates with per-token
   // entries, or with bitmask rows whose tails are summed (with_bitmask):
   // copies the rows' entry ids, and with_bitmask their bitmasks
@@ -1093,7 +1095,8 @@ void CudaEngine::PackControls(Slot& slot, const BatchView& batch,
   slot.plan.Clear();
   // A refused row keeps its place (one CTA per logits row) as a plain row.
   PackControlledRows(batch.specs, valid, first, end, ride_along_params_,
-                     &slot.pack_scratch, &slot.plan, &pack_pool_);
+                     &slot.pack_scratch, &slot.plan, &pack_pool_,
+                     /*device_merge=*/info_.vocab_size <= kPendingMaxVocab);
 }
 
 void CudaEngine::WriteControls(Slot& slot) {
@@ -1157,13 +1160,18 @@ absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
   // Nothing else of this batch reads device_plan before the sampler, and
   // the slot's previous batch has finished; a later chunk's copy follows
   // the previous chunk's sampler, which read device_plan, on root.stream.
-  if (beside) {
-    return CopyBesideRootStream(slot, slot.device_plan, slot.host_plan, bytes,
-                                "cudaMemcpyAsync(controls)");
-  }
-  return Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
-                               cudaMemcpyHostToDevice, slot.ranks[0].stream),
-               "cudaMemcpyAsync(controls)");
+  cudaStream_t stream = beside ? slot.controls_stream : slot.ranks[0].stream;
+  FS_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(slot.device_plan, slot.host_plan, bytes,
+                            cudaMemcpyHostToDevice, stream),
+            "cudaMemcpyAsync(controls)"));
+  // The rows left pending are merged where the copy lands, beside the fused
+  // kernel as the copy is (or as its blocks retire).
+  PendingMerges merges;
+  slot.plan.BindPendingMerges(slot.device_plan, &merges);
+  FS_RETURN_IF_ERROR(Check(LaunchMergePendingEntries(merges, stream),
+                           "LaunchMergePendingEntries"));
+  return beside ? RootStreamWaitsForCopies(slot) : absl::OkStatus();
 }
 
 absl::Status CudaEngine::CopyBesideRootStream(Slot& slot, void* device,
@@ -1173,6 +1181,10 @@ absl::Status CudaEngine::CopyBesideRootStream(Slot& slot, void* device,
       Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice,
                             slot.controls_stream),
             what));
+  return RootStreamWaitsForCopies(slot);
+}
+
+absl::Status CudaEngine::RootStreamWaitsForCopies(Slot& slot) {
   FS_RETURN_IF_ERROR(
       Check(cudaEventRecord(slot.controls_copied, slot.controls_stream),
             "cudaEventRecord"));

@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -420,6 +422,139 @@ TEST(ControlledPlanTest, ManyKeysMergeAsTheListsSay) {
       }
     }
   }
+}
+
+// Rows left to the device's merge (AddRows' pending_max_keys): each keeps
+// its list entries in list order, with its kind and value, and a region
+// with room for its entries, empty until merged; merged by the device's
+// rule (stable by id, then entry by entry in list order) they are the host
+// merge's entries. Rows repeating a pending row share its record; rows of
+// more keys, and rows whose output counts are all 0, merge on the host.
+TEST(ControlledPlanTest, PendingRowsKeepTheirListsForTheDevice) {
+  constexpr int kRows = 12;
+  constexpr size_t kMaxKeys = 150;
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int32_t> id(0, 60);  // many repeats
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  std::vector<std::vector<int32_t>> ids(kRows), counts(kRows);
+  std::vector<std::vector<float>> values(kRows);
+  std::vector<ControlledRowInput> inputs(kRows);
+  std::vector<ControlledPlan::RowToAdd> rows(kRows);
+  for (int r = 0; r < kRows; ++r) {
+    if (r % 4 == 2) continue;  // repeats the row before
+    const size_t size = r == 5 ? 40 : (r == 7 ? 10 : 2 + rng() % 30);
+    for (size_t i = 0; i < size; ++i) {
+      ids[r].push_back(id(rng));
+      values[r].push_back(value(rng));
+      counts[r].push_back(r == 7 ? 0 : static_cast<int32_t>(rng() % 3));
+    }
+    ControlledRowInput& in = inputs[r];
+    if (r != 7) {  // row 7: output ids alone, every count 0
+      in = InputOfLists(ids[r], values[r], ids[r], ids[r], ids[r], counts[r]);
+    } else {
+      in.output_ids = ids[r].data();
+      in.output_counts = counts[r].data();
+      in.num_output = ids[r].size();
+    }
+    in.repetition_penalty = r % 3 == 0 ? 1.0f : 1.5f;
+    rows[r].in = &in;
+  }
+  auto in_order = [](int64_t n, const auto& fn) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  };
+  ControlledPlan host;
+  host.AddRows(rows, in_order);
+  ControlledPlan plan;
+  plan.AddRows(rows, in_order, kMaxKeys);
+  ASSERT_EQ(plan.rows(), kRows);
+  std::vector<int> pending_of(kRows, -1);
+  for (size_t m = 0; m < plan.pending_merges().size(); ++m) {
+    const PendingMergeRow& merge = plan.pending_merges()[m];
+    for (int r = merge.first_row; r < merge.first_row + merge.rows; ++r) {
+      pending_of[r] = static_cast<int>(m);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const ControlledRow& want = host.row_controls()[r];
+    const ControlledRow& row = plan.row_controls()[r];
+    const int source = rows[r].in != nullptr ? r : r - 1;
+    // Row 5 (more keys than kMaxKeys: 40 in each of 4 lists) and row 7 (no
+    // key) merge on the host.
+    if (source == 5 || source == 7) {
+      EXPECT_EQ(pending_of[r], -1) << "row " << r;
+      ASSERT_EQ(row.special_end - row.special_begin,
+                want.special_end - want.special_begin)
+          << "row " << r;
+      continue;
+    }
+    ASSERT_NE(pending_of[r], -1) << "row " << r;
+    const PendingMergeRow& merge = plan.pending_merges()[pending_of[r]];
+    EXPECT_EQ(merge.first_row, source) << "row " << r;
+    EXPECT_EQ(row.special_end, row.special_begin) << "row " << r;
+    // The region: up to the next row's own, or the end of the entries.
+    int64_t next = static_cast<int64_t>(plan.special_ids().size());
+    for (int later = r + 1; later < kRows; ++later) {
+      if (plan.row_controls()[later].special_begin != row.special_begin) {
+        next = plan.row_controls()[later].special_begin;
+        break;
+      }
+    }
+    EXPECT_GE(next - row.special_begin, want.special_end - want.special_begin)
+        << "row " << r;
+    // The device's rule on the host.
+    std::vector<PendingListEntry> keys(
+        plan.pending_entries().begin() + merge.key_begin,
+        plan.pending_entries().begin() + merge.key_begin + merge.key_count);
+    const uint32_t id_mask = (1u << kPendingKindShift) - 1u;
+    std::stable_sort(
+        keys.begin(), keys.end(),
+        [id_mask](const PendingListEntry& a, const PendingListEntry& b) {
+          return (a.id_kind & id_mask) < (b.id_kind & id_mask);
+        });
+    std::vector<int32_t> got_ids, got_counts;
+    std::vector<uint8_t> got_flags;
+    std::vector<float> got_bias;
+    for (size_t k = 0; k < keys.size();) {
+      const uint32_t token = keys[k].id_kind & id_mask;
+      uint8_t flags = 0;
+      float bias = 0.0f;
+      int32_t count = 0;
+      for (; k < keys.size() && (keys[k].id_kind & id_mask) == token; ++k) {
+        float v;
+        std::memcpy(&v, &keys[k].value, sizeof(v));
+        switch (keys[k].id_kind >> kPendingKindShift) {
+          case kPendingBias:
+            bias = (flags & controls::kSpecialHasBias) ? bias + v : v;
+            flags |= controls::kSpecialHasBias;
+            break;
+          case kPendingBanned:
+            flags |= controls::kSpecialBanned;
+            break;
+          case kPendingPrompt:
+            flags |= controls::kSpecialRepeated;
+            break;
+          default:
+            if (inputs[source].repetition_penalty != 1.0f)
+              flags |= controls::kSpecialRepeated;
+            count += static_cast<int32_t>(keys[k].value);
+            break;
+        }
+      }
+      got_ids.push_back(static_cast<int32_t>(token));
+      got_flags.push_back(flags);
+      got_bias.push_back(bias);
+      got_counts.push_back(count);
+    }
+    auto slice = [&want](const auto& all) {
+      return std::vector<typename std::decay_t<decltype(all)>::value_type>(
+          all.begin() + want.special_begin, all.begin() + want.special_end);
+    };
+    EXPECT_EQ(got_ids, slice(host.special_ids())) << "row " << r;
+    EXPECT_EQ(got_flags, slice(host.special_flags())) << "row " << r;
+    EXPECT_EQ(got_bias, slice(host.special_bias())) << "row " << r;
+    EXPECT_EQ(got_counts, slice(host.special_count())) << "row " << r;
+  }
+  EXPECT_EQ(plan.bytes().size(), plan.byte_size());
 }
 
 // The per-row algorithm, run on the host, against the CPU sampler on exact

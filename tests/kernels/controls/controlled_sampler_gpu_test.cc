@@ -42,6 +42,9 @@ void RunGpu(const ControlledPlan& plan, const std::vector<float>& logits,
   ASSERT_TRUE(d_bytes.ok() && d_logits.ok());
   FS_ASSERT_CUDA(d_bytes.Upload(bytes));
   FS_ASSERT_CUDA(d_logits.Upload(logits));
+  PendingMerges merges;
+  plan.BindPendingMerges(d_bytes.get(), &merges);
+  FS_ASSERT_CUDA(LaunchMergePendingEntries(merges, nullptr));
   ControlledSampleParams params;
   plan.BindInputs(d_bytes.get(), vocab, &params);
   params.logits = d_logits.get();
@@ -82,9 +85,10 @@ void RunGpu(const ControlledPlan& plan, const std::vector<float>& logits,
   FS_ASSERT_CUDA(d_certified.Download(&out->certified, rows));
 }
 
-// Runs `cases` on the GPU and compares every row with the CPU sampler;
-// `certified` (if not null) receives each case's count of rows the candidate
-// path sampled.
+// Runs `cases` on the GPU and compares every row with the CPU sampler, with
+// the rows' entries merged on the host and again on the device (where a row
+// has any); `certified` (if not null) receives each case's count of rows the
+// candidate path sampled.
 void CasesEqualCpu(int64_t vocab, int rows_per_case,
                    const std::vector<testing_controls::Case>& cases,
                    std::vector<int>* certified) {
@@ -100,47 +104,57 @@ void CasesEqualCpu(int64_t vocab, int rows_per_case,
     const std::vector<RowSpec>& specs = batch.specs;
     const std::vector<float>& logits = batch.logits;
     const std::vector<RowResult>& cpu = batch.cpu;
-    const ControlledPlan& plan = batch.plan;
-    GpuRows gpu;
-    RunGpu(plan, logits, vocab, &gpu);
-    if (::testing::Test::HasFatalFailure()) return;
-    int rows_certified = 0;
-    for (int r = 0; r < rows; ++r) rows_certified += gpu.certified[r] == 1;
-    std::printf("[%s V=%lld] %d of %d rows certified from candidates\n",
-                c.name.c_str(), static_cast<long long>(vocab), rows_certified,
-                rows);
-    if (certified != nullptr) certified->push_back(rows_certified);
-    for (int r = 0; r < rows; ++r) {
-      const SamplingParams& p = *specs[r].params;
-      const int ms = gpu.max_samples;
-      const int mt = std::max(1, gpu.max_top_n);
-      const int n = p.n;
-      std::vector<int32_t> tokens(gpu.token_ids.begin() + r * ms,
-                                  gpu.token_ids.begin() + r * ms + n);
-      std::vector<float> sampled;
-      if (p.logprobs.sampled) {
-        sampled.assign(gpu.sampled.begin() + r * ms,
-                       gpu.sampled.begin() + r * ms + n);
+    const ControlledPlan pending = testing_controls::PendingPlanOf(specs);
+    const ControlledPlan& merged_on_host = batch.plan;
+    for (const ControlledPlan* plan : {&merged_on_host, &pending}) {
+      const bool merged_on_device = plan == &pending;
+      if (merged_on_device && plan->pending_merges().empty()) continue;
+      GpuRows gpu;
+      RunGpu(*plan, logits, vocab, &gpu);
+      if (::testing::Test::HasFatalFailure()) return;
+      int rows_certified = 0;
+      for (int r = 0; r < rows; ++r) rows_certified += gpu.certified[r] == 1;
+      std::printf("[%s V=%lld%s] %d of %d rows certified from candidates\n",
+                  c.name.c_str(), static_cast<long long>(vocab),
+                  merged_on_device ? ", merged on the device" : "",
+                  rows_certified, rows);
+      if (certified != nullptr && !merged_on_device) {
+        certified->push_back(rows_certified);
       }
-      std::vector<int32_t> ranks;
-      if (p.logprobs.rank) {
-        ranks.assign(gpu.ranks.begin() + r * ms,
-                     gpu.ranks.begin() + r * ms + n);
-      }
-      const int listed = gpu.top_count[r];
-      std::vector<int32_t> top_ids(gpu.top_ids.begin() + r * mt,
-                                   gpu.top_ids.begin() + r * mt + listed);
-      std::vector<float> top_lp(gpu.top_logprobs.begin() + r * mt,
-                                gpu.top_logprobs.begin() + r * mt + listed);
-      const std::string where =
-          c.name + " V=" + std::to_string(vocab) + " row " + std::to_string(r);
-      testing_controls::ExpectRowEqual(cpu[r], gpu.status[r], tokens, sampled,
-                                       ranks, gpu.lse[r], top_ids, top_lp, p,
-                                       where);
-      if (gpu.status[r] != kControlledOk) {
-        EXPECT_EQ(tokens, std::vector<int32_t>(n, -1)) << where;
-        EXPECT_EQ(listed, 0) << where;
-        EXPECT_EQ(gpu.certified[r], 0) << where;
+      for (int r = 0; r < rows; ++r) {
+        const SamplingParams& p = *specs[r].params;
+        const int ms = gpu.max_samples;
+        const int mt = std::max(1, gpu.max_top_n);
+        const int n = p.n;
+        std::vector<int32_t> tokens(gpu.token_ids.begin() + r * ms,
+                                    gpu.token_ids.begin() + r * ms + n);
+        std::vector<float> sampled;
+        if (p.logprobs.sampled) {
+          sampled.assign(gpu.sampled.begin() + r * ms,
+                         gpu.sampled.begin() + r * ms + n);
+        }
+        std::vector<int32_t> ranks;
+        if (p.logprobs.rank) {
+          ranks.assign(gpu.ranks.begin() + r * ms,
+                       gpu.ranks.begin() + r * ms + n);
+        }
+        const int listed = gpu.top_count[r];
+        std::vector<int32_t> top_ids(gpu.top_ids.begin() + r * mt,
+                                     gpu.top_ids.begin() + r * mt + listed);
+        std::vector<float> top_lp(gpu.top_logprobs.begin() + r * mt,
+                                  gpu.top_logprobs.begin() + r * mt + listed);
+        const std::string where =
+            c.name + " V=" + std::to_string(vocab) + " row " +
+            std::to_string(r) +
+            (merged_on_device ? " (merged on the device)" : "");
+        testing_controls::ExpectRowEqual(cpu[r], gpu.status[r], tokens, sampled,
+                                         ranks, gpu.lse[r], top_ids, top_lp, p,
+                                         where);
+        if (gpu.status[r] != kControlledOk) {
+          EXPECT_EQ(tokens, std::vector<int32_t>(n, -1)) << where;
+          EXPECT_EQ(listed, 0) << where;
+          EXPECT_EQ(gpu.certified[r], 0) << where;
+        }
       }
     }
   }
@@ -227,6 +241,9 @@ TEST(ControlledSamplerGpuTest, RowAskingBeyondTheOutputsFailsAlone) {
   DeviceArray<float> d_logits(logits.size());
   FS_ASSERT_CUDA(d_bytes.Upload(bytes));
   FS_ASSERT_CUDA(d_logits.Upload(logits));
+  PendingMerges merges;
+  plan.BindPendingMerges(d_bytes.get(), &merges);
+  FS_ASSERT_CUDA(LaunchMergePendingEntries(merges, nullptr));
   ControlledSampleParams params;
   plan.BindInputs(d_bytes.get(), kVocab, &params);
   params.max_samples = 2;  // row 1 asks for 3
@@ -266,6 +283,9 @@ TEST(ControlledSamplerGpuTest, NonFiniteLogitFailsItsRowWithTheLowestId) {
   DeviceArray<float> d_logits(logits.size());
   FS_ASSERT_CUDA(d_bytes.Upload(bytes));
   FS_ASSERT_CUDA(d_logits.Upload(logits));
+  PendingMerges merges;
+  plan.BindPendingMerges(d_bytes.get(), &merges);
+  FS_ASSERT_CUDA(LaunchMergePendingEntries(merges, nullptr));
   ControlledSampleParams params;
   plan.BindInputs(d_bytes.get(), kVocab, &params);
   params.logits = d_logits.get();
@@ -284,6 +304,117 @@ TEST(ControlledSamplerGpuTest, NonFiniteLogitFailsItsRowWithTheLowestId) {
   EXPECT_EQ(host_status[0], kControlledOk);
   EXPECT_EQ(host_status[1], kControlledNonFinite);
   EXPECT_EQ(host_error[1], 300);
+}
+
+// The device's merge of pending rows (LaunchMergePendingEntries) writes
+// each row's entries as the host's merge does, bit for bit: rows with
+// repeats within and across their lists, ids up to the largest it merges,
+// a row of kPendingMaxKeys keys at the top ids, rows repeating the row
+// before, rows without keys or without a repetition penalty, and rows of
+// more keys than it takes (merged on the host) between them.
+TEST(ControlledSamplerGpuTest, PendingRowsMergeOnTheDeviceAsOnTheHost) {
+  FS_SKIP_WITHOUT_GPU();
+  constexpr int kRows = 96;
+  constexpr int64_t kVocab = kPendingMaxVocab;
+  struct Lists {
+    std::vector<int32_t> bias_ids, banned, prompt, output_ids, output_counts;
+    std::vector<float> bias_values;
+  };
+  std::mt19937 rng(17);
+  std::uniform_real_distribution<float> value(-3.0f, 3.0f);
+  std::vector<Lists> lists(kRows);
+  std::vector<ControlledRowInput> inputs(kRows);
+  std::vector<ControlledPlan::RowToAdd> rows(kRows);
+  for (int r = 0; r < kRows; ++r) {
+    ControlledPlan::RowToAdd& row = rows[r];
+    row.seed = static_cast<uint64_t>(r);
+    if (r % 7 == 3) continue;  // the row before's params again
+    Lists& l = lists[r];
+    int32_t low = 0;
+    int32_t high = 151936;
+    int size = static_cast<int>(rng() % 300);
+    if (r % 11 == 5) size = 0;
+    if (r % 5 == 2) high = 97;  // many repeats
+    if (r % 13 == 4) {          // the top ids
+      low = static_cast<int32_t>(kVocab) - 64;
+      high = static_cast<int32_t>(kVocab);
+    }
+    if (r == 1) {  // kPendingMaxKeys keys at the top ids
+      low = static_cast<int32_t>(kVocab) - 200;
+      high = static_cast<int32_t>(kVocab);
+      size = kPendingMaxKeys / 4;
+    }
+    if (r == 9) size = kPendingMaxKeys / 4 + 2;  // more: the host's
+    std::uniform_int_distribution<int32_t> id(low, high - 1);
+    for (int i = 0; i < size; ++i) {
+      l.bias_ids.push_back(id(rng));
+      l.bias_values.push_back(value(rng));
+      l.banned.push_back(id(rng));
+      l.prompt.push_back(id(rng));
+      l.output_ids.push_back(id(rng));
+      // Count 0 leaves no entry but where r == 1, which needs every key.
+      l.output_counts.push_back(r == 1 ? 1 : static_cast<int32_t>(rng() % 4));
+    }
+    ControlledRowInput& in = inputs[r];
+    in.repetition_penalty = r % 3 == 0 ? 1.0f : 1.3f;
+    if (r == 1 || r == 9) in.repetition_penalty = 1.3f;
+    in.bias_ids = l.bias_ids.data();
+    in.bias_values = l.bias_values.data();
+    in.num_bias = l.bias_ids.size();
+    in.banned_ids = l.banned.data();
+    in.num_banned = l.banned.size();
+    in.prompt_ids = l.prompt.data();
+    in.num_prompt = l.prompt.size();
+    in.output_ids = l.output_ids.data();
+    in.output_counts = l.output_counts.data();
+    in.num_output = l.output_ids.size();
+    row.in = &in;
+  }
+  auto in_order = [](int64_t n, const auto& fn) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  };
+  ControlledPlan host;
+  host.AddRows(rows, in_order);
+  ControlledPlan device;
+  device.AddRows(rows, in_order, kPendingMaxKeys);
+  ASSERT_EQ(host.rows(), kRows);
+  ASSERT_EQ(device.rows(), kRows);
+  ASSERT_GT(device.pending_merges().size(), 40u);
+  bool full_row_pending = false;
+  for (const PendingMergeRow& m : device.pending_merges()) {
+    full_row_pending |= m.first_row == 1 && m.key_count == kPendingMaxKeys;
+    EXPECT_NE(m.first_row, 9);
+  }
+  EXPECT_TRUE(full_row_pending);
+
+  const std::vector<unsigned char> bytes = device.bytes();
+  DeviceArray<unsigned char> d_bytes(bytes.size());
+  ASSERT_TRUE(d_bytes.ok());
+  FS_ASSERT_CUDA(d_bytes.Upload(bytes));
+  PendingMerges merges;
+  device.BindPendingMerges(d_bytes.get(), &merges);
+  FS_ASSERT_CUDA(LaunchMergePendingEntries(merges, nullptr));
+  FS_ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<unsigned char> merged;
+  FS_ASSERT_CUDA(d_bytes.Download(&merged, bytes.size()));
+  ControlledSampleParams got;
+  device.BindInputs(merged.data(), kVocab, &got);
+
+  for (int r = 0; r < kRows; ++r) {
+    const ControlledRow& want = host.row_controls()[r];
+    const ControlledRow& row = got.row_controls[r];
+    ASSERT_EQ(row.special_end - row.special_begin,
+              want.special_end - want.special_begin)
+        << "row " << r;
+    for (int64_t k = 0; k < want.special_end - want.special_begin; ++k) {
+      const int64_t w = want.special_begin + k;
+      const int64_t g = row.special_begin + k;
+      EXPECT_EQ(got.special_ids[g], host.special_ids()[w]) << "row " << r;
+      EXPECT_EQ(got.special_flags[g], host.special_flags()[w]) << "row " << r;
+      EXPECT_EQ(got.special_bias[g], host.special_bias()[w]) << "row " << r;
+      EXPECT_EQ(got.special_count[g], host.special_count()[w]) << "row " << r;
+    }
+  }
 }
 
 // Top-p masses use CUDA's double exp where the CPU uses glibc's: count the

@@ -33,6 +33,29 @@ inline ControlledPlan PlanOf(const std::vector<RowSpec>& specs) {
   return plan;
 }
 
+// The same rows with each row's merge of up to kPendingMaxKeys keys left to
+// the device (ControlledPlan::AddRows' pending rows).
+inline ControlledPlan PendingPlanOf(const std::vector<RowSpec>& specs) {
+  std::vector<ControlledRowLists> lists(specs.size());
+  std::vector<ControlledRowInput> inputs;
+  inputs.reserve(specs.size());
+  std::vector<ControlledPlan::RowToAdd> rows;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    inputs.push_back(ControlledInputFrom(specs[i], &lists[i]));
+    ControlledPlan::RowToAdd row;
+    row.in = &inputs.back();
+    rows.push_back(row);
+  }
+  ControlledPlan plan;
+  plan.AddRows(
+      rows,
+      [](int64_t n, const auto& fn) {
+        for (int64_t i = 0; i < n; ++i) fn(i);
+      },
+      kPendingMaxKeys);
+  return plan;
+}
+
 // Small-integer W and h: every product and partial sum is an exact integer
 // in fp32, so the logits do not depend on the accumulation order.
 struct Model {

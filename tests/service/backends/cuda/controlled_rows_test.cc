@@ -104,9 +104,12 @@ TEST(ControlledRowsTest, EngineLimitsRefuseTheRowNamingTheField) {
   top.logprobs.top_n = kCudaMaxTopLogprobs;
   EXPECT_TRUE(ValidateCudaRow(top, kVocab).ok());
 
-  // Packed lists beyond the 16 MB staging: 13 bytes an entry.
+  // Packed lists beyond the 16 MB staging: 13 bytes an entry, and up to
+  // kPendingMaxKeys of them as they come for the device's merge.
   const size_t limit = kControlledPlanBudgetBytes - kControlledPlanLayoutSlack;
-  const size_t fits = (limit - sizeof(ControlledRow)) / 13;
+  const size_t fits = (limit - sizeof(ControlledRow) - sizeof(PendingMergeRow) -
+                       sizeof(PendingListEntry) * kPendingMaxKeys) /
+                      13;
   SamplingParams banned;
   banned.banned_token_ids.assign(fits, 7);
   EXPECT_LE(ControlledRowBytesBound(banned), limit);
@@ -548,6 +551,27 @@ TEST(ControlledRowsTest, RowsMergedOnAPoolPackTheSameBytes) {
                       ParallelForOrInline(&pool, n, copy);
                     });
   EXPECT_EQ(written, pooled.bytes());
+
+  // With device_merge the same batch leaves every row with entries to the
+  // device's merge (a record per packed row, its repeats in it), and a
+  // batch of fewer than kDeviceMergeEntries merges here.
+  ControlledPlan deferred;
+  PackControlledRows(specs.data(), valid, 0, rows, ride_along, &scratch,
+                     &deferred, &pool, /*device_merge=*/true);
+  int pending_rows = 0;
+  for (const PendingMergeRow& m : deferred.pending_merges()) {
+    pending_rows += m.rows;
+  }
+  int rows_with_entries = 0;
+  for (const ControlledRow& r : one_by_one.row_controls()) {
+    rows_with_entries += r.special_end > r.special_begin ? 1 : 0;
+  }
+  EXPECT_GT(rows_with_entries, rows / 2);
+  EXPECT_EQ(pending_rows, rows_with_entries);
+  ControlledPlan small;
+  PackControlledRows(specs.data(), valid, 5, 9, ride_along, &scratch, &small,
+                     &pool, /*device_merge=*/true);
+  EXPECT_TRUE(small.pending_merges().empty());
 }
 
 // The token classes' inputs, unmerged, mark each row's tokens as the packed

@@ -344,6 +344,14 @@ TEST_F(CudaEngineGpuTest, CpuAndGpuAgreeOnRandomRows) {
     params[4].output_token_counts.push_back(
         {static_cast<int32_t>((i * 997 + 5) % kVocab), 1 + i % 3});
   }
+  // 43 rows of 160 list entries a batch: more than kDeviceMergeEntries, so
+  // the GPU merges them, bias ids repeated and prompt ids among the outputs.
+  for (int i = 0; i < 64; ++i) {
+    params[4].logit_bias.push_back({static_cast<int32_t>((i * 31) % 50),
+                                    0.25f * static_cast<float>(i % 7) - 0.5f});
+    params[4].prompt_token_ids.push_back(
+        static_cast<int32_t>((i * 997 + 5 + (i % 2) * 13) % kVocab));
+  }
   int agree = 0;
   int total = 0;
   for (int first = 0; first < kRows; first += kBatch) {
