@@ -212,9 +212,13 @@ struct Slot {
   // plain_graphs replay a plain batch with one sample a row (its input
   // copy, stage 1 and token copy), units_graphs the input copy and stage 1
   // of a controlled batch served from unit candidates whose other rows take
-  // one sample. Each is recorded on that size's first batch.
+  // one sample, classified_graphs the same ranked by a row of token classes
+  // each, classified_shared_graphs by one row of classes for all
+  // (classes_shared). Each is recorded on that size's first batch.
   Stage1Graphs plain_graphs;
   Stage1Graphs units_graphs;
+  Stage1Graphs classified_graphs;
+  Stage1Graphs classified_shared_graphs;
 
   // The materialized path, all on rank 0 (sizes in CudaEngine::Init).
   float* logits = nullptr;  // [max_batch_rows, V] fp32
@@ -352,10 +356,10 @@ class CudaEngine final : public Engine {
   absl::Status EnqueueBatchStage1(Slot& slot, int rows, int num_samples,
                                   Stage1Output output);
   // EnqueueBatchStage1 as one graph launch where it can be (one GPU, one
-  // sample a row, kTokens or kUnits; CudaEngineOptions::replay_graphs),
-  // recorded into slot.plain_graphs or slot.units_graphs on that size's
-  // first batch; call by call otherwise, and where the driver will not
-  // record it.
+  // sample a row, kTokens, kUnits or kClassifiedUnits;
+  // CudaEngineOptions::replay_graphs), recorded into the slot's graphs of
+  // that output on that size's first batch; call by call otherwise, and
+  // where the driver will not record it.
   absl::Status LaunchBatchStage1(Slot& slot, int rows, int num_samples,
                                  Stage1Output output);
   // Records EnqueueBatchStage1(slot, rows, 1, output) into `exec`.
@@ -723,7 +727,9 @@ absl::Status CudaEngine::Init() {
     FS_RETURN_IF_ERROR(Check(cudaMallocHost(&slot.host_input, input_bytes_),
                              "cudaMallocHost(staging)"));
     std::memset(slot.host_input, 0, input_bytes_);
-    for (Stage1Graphs* graphs : {&slot.plain_graphs, &slot.units_graphs}) {
+    for (Stage1Graphs* graphs :
+         {&slot.plain_graphs, &slot.units_graphs, &slot.classified_graphs,
+          &slot.classified_shared_graphs}) {
       graphs->execs.assign(static_cast<size_t>(options_.max_batch_rows),
                            nullptr);
       graphs->refused.assign(static_cast<size_t>(options_.max_batch_rows), 0);
@@ -1063,14 +1069,18 @@ absl::Status CudaEngine::RecordStage1Graph(Slot& slot, int rows,
 absl::Status CudaEngine::LaunchBatchStage1(Slot& slot, int rows,
                                            int num_samples,
                                            Stage1Output output) {
-  // Batches with token classes are rarer and go call by call too.
   if (!options_.replay_graphs || ranks_.size() != 1 || num_samples != 1 ||
-      output == Stage1Output::kLogits ||
-      output == Stage1Output::kClassifiedUnits) {
+      output == Stage1Output::kLogits) {
     return EnqueueBatchStage1(slot, rows, num_samples, output);
   }
+  // A classified batch's stage 1 reads the slot's token classes, a row of
+  // them each or one for all: two recordings of each size.
   Stage1Graphs& graphs =
-      output == Stage1Output::kTokens ? slot.plain_graphs : slot.units_graphs;
+      output == Stage1Output::kTokens ? slot.plain_graphs
+      : output == Stage1Output::kUnits
+          ? slot.units_graphs
+          : (slot.classes_shared ? slot.classified_shared_graphs
+                                 : slot.classified_graphs);
   const size_t index = static_cast<size_t>(rows) - 1;
   cudaGraphExec_t& exec = graphs.execs[index];
   if (exec == nullptr && !graphs.refused[index]) {
@@ -1729,7 +1739,8 @@ void CudaEngine::Release() {
     }
     if (!ranks_.empty() && cudaSetDevice(ranks_[0].device) == cudaSuccess) {
       for (const Stage1Graphs* graphs :
-           {&slot.plain_graphs, &slot.units_graphs}) {
+           {&slot.plain_graphs, &slot.units_graphs, &slot.classified_graphs,
+            &slot.classified_shared_graphs}) {
         for (cudaGraphExec_t exec : graphs->execs) {
           if (exec != nullptr) cudaGraphExecDestroy(exec);
         }

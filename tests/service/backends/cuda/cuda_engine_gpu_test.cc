@@ -898,10 +898,13 @@ TEST_F(CudaEngineGpuTest, GraphReplaysGiveTheTokensOfLaunchesOneByOne) {
   options.devices = {0};
   options.max_batch_rows = 256;
   auto launches = std::make_shared<std::atomic<int64_t>>(0);
+  auto unit_batches = std::make_shared<std::atomic<int64_t>>(0);
   options.graph_launches_for_tests = launches;
+  options.unit_batches_for_tests = unit_batches;
   auto replaying = CreateCudaEngine(weights, options);
   ASSERT_TRUE(replaying.ok()) << replaying.status();
   options.replay_graphs = false;
+  options.unit_batches_for_tests = nullptr;
   auto direct = CreateCudaEngine(weights, options);
   ASSERT_TRUE(direct.ok()) << direct.status();
   auto sampler = CpuReference(values, kVocab, kHidden);
@@ -942,6 +945,60 @@ TEST_F(CudaEngineGpuTest, GraphReplaysGiveTheTokensOfLaunchesOneByOne) {
   // Every batch of the replaying engine went out as a graph launch.
   EXPECT_EQ(launches->load() - launches_at_start,
             static_cast<int64_t>(2 * sizes.size()));
+
+  // Batches with per-token entries rank by token classes, a row of them
+  // each or, where the rows share one request's params, one row for all:
+  // each recorded on its size's first batch and replayed after, with the
+  // tokens of launches one by one and of the CPU sampler.
+  SamplingParams biased;
+  biased.temperature = 0.8f;
+  biased.top_k = 40;
+  for (int i = 0; i < 24; ++i) {
+    biased.logit_bias.push_back(
+        {static_cast<int32_t>((i * 113) % kVocab), 1.5f});
+  }
+  biased.banned_token_ids = {7, 11};
+  std::vector<SamplingParams> own(64, biased);
+  for (size_t i = 0; i < own.size(); ++i) {
+    own[i].logit_bias[0].bias = 0.25f * static_cast<float>(i);
+  }
+  const int64_t classified_launches = launches->load();
+  const int64_t classified_units = unit_batches->load();
+  for (int rows : {1, 64, 1, 64}) {
+    for (bool shared : {false, true}) {
+      Batch batch = MakeBatch(rows, kHidden, 900 + round++, 1);
+      for (int i = 0; i < rows; ++i) {
+        batch.specs[i].params = shared ? &biased : &own[i];
+      }
+      const std::string where = std::to_string(rows) + " rows with entries" +
+                                (shared ? ", one params" : "");
+      Stage(**replaying, 0, batch);
+      Stage(**direct, 0, batch);
+      std::vector<RowResult> replayed, launched, cpu;
+      ASSERT_TRUE(
+          (*replaying)
+              ->Sample(BatchView{0, rows, batch.specs.data()}, &replayed)
+              .ok())
+          << where;
+      ASSERT_TRUE(
+          (*direct)
+              ->Sample(BatchView{0, rows, batch.specs.data()}, &launched)
+              .ok())
+          << where;
+      ASSERT_TRUE(
+          (*sampler)
+              ->Sample(batch.hidden.data(), rows, batch.specs.data(), &cpu)
+              .ok())
+          << where;
+      EXPECT_EQ(Tokens(replayed), Tokens(launched)) << where;
+      EXPECT_EQ(Tokens(replayed), Tokens(cpu)) << where;
+    }
+  }
+  // Each batch the units served went out as one graph launch (a batch they
+  // left a row uncertified in pauses them: those take their logits).
+  EXPECT_GT(unit_batches->load() - classified_units, 0);
+  EXPECT_EQ(launches->load() - classified_launches,
+            unit_batches->load() - classified_units);
 }
 
 TEST_F(CudaEngineGpuTest, ManySamplesPerRowRunInRowChunks) {
