@@ -259,6 +259,32 @@ class CudaEngineGpuTest : public ::testing::Test {
           **engine, **sampler, hidden, specs,
           c.name + " (" + std::to_string(devices) + " devices)");
     }
+    // 24 rows of 200 list entries each, repeats within and across the
+    // lists: more than kDeviceMergeEntries, merged on rank 0's GPU.
+    std::mt19937 rng(31);
+    std::uniform_int_distribution<int32_t> id(0, 149);
+    std::vector<SamplingParams> own(24);
+    std::vector<RowSpec> specs(24);
+    for (int r = 0; r < 24; ++r) {
+      SamplingParams& p = own[r];
+      p.temperature = 0.9f;
+      p.top_k = 30;
+      p.repetition_penalty = 1.2f;
+      p.frequency_penalty = 0.2f;
+      p.presence_penalty = 0.3f;
+      for (int e = 0; e < 50; ++e) {
+        p.logit_bias.push_back({id(rng), 0.125f * static_cast<float>(e % 9)});
+        p.banned_token_ids.push_back(id(rng) + 500);
+        p.prompt_token_ids.push_back(id(rng));
+        p.output_token_counts.push_back({id(rng), e % 3});
+      }
+      specs[r] = RowSpec{&own[r], 100u + static_cast<uint64_t>(r),
+                         static_cast<uint64_t>(r)};
+    }
+    ExpectEngineEqualsCpu(
+        **engine, **sampler, testing_controls::MakeHidden(24, kHidden, 30),
+        specs,
+        "lists merged on the GPU (" + std::to_string(devices) + " devices)");
   }
 
   // Weights from a "synthetic:..." source.
