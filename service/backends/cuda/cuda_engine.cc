@@ -94,6 +94,14 @@ constexpr int kUnitCandidatesPauseBatches = 16;
 // batch with more takes its logits.
 constexpr size_t kClassInputBytes = size_t{4} << 20;
 
+// Token classes' inputs up to this size (a few thousand ids: a request's
+// lists, or a few rows' each) are copied on rank 0's stream, one call where
+// the copy stream's copy, event and wait take three; larger ones beside, so
+// that they travel while rank 0's stream waits out the other slot's
+// sampler. Each call costs 6-16 us of host time on a virtual machine, all
+// of it before the batch's fused kernel is launched.
+constexpr size_t kClassInputsOnRootStreamBytes = size_t{16} << 10;
+
 // A batch with bitmask rows whose tails the units sum (raw logprobs, or
 // top_p that top_k does not bound: NeedsBitmaskInClasses) copies their
 // bitmasks before the fused kernel, so that the token classes leave masked
@@ -212,9 +220,10 @@ struct Slot {
   // plain_graphs replay a plain batch with one sample a row (its input
   // copy, stage 1 and token copy), units_graphs the input copy and stage 1
   // of a controlled batch served from unit candidates whose other rows take
-  // one sample, classified_graphs the same ranked by a row of token classes
-  // each, classified_shared_graphs by one row of classes for all
-  // (classes_shared). Each is recorded on that size's first batch.
+  // one sample, classified_graphs the same after the token classes' kernel,
+  // ranked by a row of classes each, classified_shared_graphs by one row of
+  // classes for all (classes_shared). Each is recorded on that size's first
+  // batch.
   Stage1Graphs plain_graphs;
   Stage1Graphs units_graphs;
   Stage1Graphs classified_graphs;
@@ -239,6 +248,12 @@ struct Slot {
   // unit: at qwen B = 256 with every control and raw logprobs, 1.34 against
   // 1.24x the plain kernel (H100, call for call).
   bool classes_shared = false;
+  // The token classes' kernel is the first call of the batch's stage 1
+  // (EnqueueStage1), where it reads no bitmask: its arguments then depend
+  // on the batch's size and classes_shared alone, so the classified graphs
+  // hold it. Else PrepareTokenClasses launches it.
+  bool classes_in_stage1 = false;
+  ControlledSampleParams class_params;  // into device_class_inputs
   TokenClassInputs class_inputs;
   void* host_class_inputs = nullptr;
   void* device_class_inputs = nullptr;
@@ -345,14 +360,16 @@ class CudaEngine final : public Engine {
                         Stage1Output output);
   // Queues the copy of the staging buffer's first `rows` rows (and every
   // row's parameters) to every rank, then stage 1 over them in row chunks
-  // of at most capacity_pairs_ / num_samples rows.
+  // of at most capacity_pairs_ / num_samples rows; kClassifiedUnits with
+  // slot.classes_in_stage1: the token classes' kernel first.
   absl::Status EnqueueStage1(Slot& slot, int rows, int num_samples,
                              Stage1Output output);
   // Queues stage 1 and the token copy of a plain batch of `rows` rows with
   // `num_samples` samples each (the copy on rank 0's stream).
   absl::Status EnqueuePlainBatch(Slot& slot, int rows, int num_samples);
   // Queues a batch's stage 1: EnqueuePlainBatch (kTokens, with the token
-  // copy) or EnqueueStage1 (kLogits, kUnits), call by call.
+  // copy) or EnqueueStage1 (kLogits, kUnits, kClassifiedUnits), call by
+  // call.
   absl::Status EnqueueBatchStage1(Slot& slot, int rows, int num_samples,
                                   Stage1Output output);
   // EnqueueBatchStage1 as one graph launch where it can be (one GPU, one
@@ -408,9 +425,10 @@ class CudaEngine final : public Engine {
   // copies the rows' entry ids, and with_bitmask their bitmasks
   // (TokenClassInputs, nothing merged: the sampler's packing follows the
   // fused kernel's launch), and queues the token classes' kernel (one row
-  // of classes where every row has the same params: slot.classes_shared).
-  // False in *classified where those exceed kClassInputBytes (the batch
-  // then takes its logits).
+  // of classes where every row has the same params: slot.classes_shared),
+  // or leaves it to stage 1 where it reads no bitmask
+  // (slot.classes_in_stage1). False in *classified where those exceed
+  // kClassInputBytes (the batch then takes its logits).
   absl::Status PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                    const std::vector<char>& valid,
                                    bool with_bitmask, bool* classified);
@@ -1004,6 +1022,13 @@ absl::Status CudaEngine::EnqueueStage1(Slot& slot, int rows, int num_samples,
   const size_t copy_bytes = params_bytes_ + static_cast<size_t>(rows) *
                                                 info_.hidden_size *
                                                 element_bytes_;
+  if (output == Stage1Output::kClassifiedUnits && slot.classes_in_stage1) {
+    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+    FS_RETURN_IF_ERROR(
+        Check(LaunchUnitTokenClasses(slot.class_params, slot.unit_token_classes,
+                                     slot.ranks[0].stream),
+              "LaunchUnitTokenClasses"));
+  }
   for (size_t r = 0; r < ranks_.size(); ++r) {
     FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[r].device), "cudaSetDevice"));
     FS_RETURN_IF_ERROR(Check(
@@ -1069,12 +1094,16 @@ absl::Status CudaEngine::RecordStage1Graph(Slot& slot, int rows,
 absl::Status CudaEngine::LaunchBatchStage1(Slot& slot, int rows,
                                            int num_samples,
                                            Stage1Output output) {
+  // A classified batch's token classes' kernel, where it reads a bitmask,
+  // was launched with arguments of its own batch: call by call.
   if (!options_.replay_graphs || ranks_.size() != 1 || num_samples != 1 ||
-      output == Stage1Output::kLogits) {
+      output == Stage1Output::kLogits ||
+      (output == Stage1Output::kClassifiedUnits && !slot.classes_in_stage1)) {
     return EnqueueBatchStage1(slot, rows, num_samples, output);
   }
-  // A classified batch's stage 1 reads the slot's token classes, a row of
-  // them each or one for all: two recordings of each size.
+  // A classified batch's stage 1 (the token classes' kernel first) reads
+  // the slot's token classes, a row of them each or one for all: two
+  // recordings of each size.
   Stage1Graphs& graphs =
       output == Stage1Output::kTokens ? slot.plain_graphs
       : output == Stage1Output::kUnits
@@ -1124,6 +1153,7 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                              bool with_bitmask,
                                              bool* classified) {
   *classified = false;
+  slot.classes_in_stage1 = false;
   // One request's rows (one params, every row controlled): one row of
   // classes, its first's, which every row ranks by.
   slot.classes_shared = batch.rows > 1;
@@ -1137,18 +1167,27 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
   if (bytes > kClassInputBytes) return absl::OkStatus();
   slot.class_inputs.WriteBytes(slot.host_class_inputs);
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-  FS_RETURN_IF_ERROR(CopyBesideRootStream(slot, slot.device_class_inputs,
-                                          slot.host_class_inputs, bytes,
-                                          "cudaMemcpyAsync(token classes)"));
-  ControlledSampleParams params;
+  if (bytes <= kClassInputsOnRootStreamBytes) {
+    FS_RETURN_IF_ERROR(Check(
+        cudaMemcpyAsync(slot.device_class_inputs, slot.host_class_inputs, bytes,
+                        cudaMemcpyHostToDevice, slot.ranks[0].stream),
+        "cudaMemcpyAsync(token classes)"));
+  } else {
+    FS_RETURN_IF_ERROR(CopyBesideRootStream(slot, slot.device_class_inputs,
+                                            slot.host_class_inputs, bytes,
+                                            "cudaMemcpyAsync(token classes)"));
+  }
   slot.class_inputs.BindInputs(slot.device_class_inputs, info_.vocab_size,
-                               &params);
-  FS_RETURN_IF_ERROR(
-      Check(LaunchUnitTokenClasses(params, slot.unit_token_classes,
-                                   slot.ranks[0].stream),
-            "LaunchUnitTokenClasses"));
+                               &slot.class_params);
   *classified = true;
-  return absl::OkStatus();
+  if (slot.class_params.bitmask == nullptr) {
+    slot.classes_in_stage1 = true;
+    return absl::OkStatus();
+  }
+  return Check(
+      LaunchUnitTokenClasses(slot.class_params, slot.unit_token_classes,
+                             slot.ranks[0].stream),
+      "LaunchUnitTokenClasses");
 }
 
 absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
