@@ -50,7 +50,8 @@ struct ControlledRowInput {
 
 // A batch's packed controls. AddRow (or RepeatLastRow) in batch order, then
 // copy bytes() to the device (one buffer of bytes().size(), 256-byte
-// aligned) and BindInputs.
+// aligned), run LaunchMergePendingEntries on it where pending_merges() is
+// not empty (AddRows), and BindInputs.
 // AddRow copies every list but the bitmask: a row's bitmask words (19 KB at
 // V = 151936) are read where ControlledRowInput::allowed_bitmask points,
 // by WriteBytes and bytes(), so that array must outlive their last call.
@@ -88,7 +89,8 @@ class ControlledPlan {
   // not merged here: its list entries are written as they come, its region
   // stays whole and empty (special_end = special_begin), and
   // LaunchMergePendingEntries, run on the device copy of bytes(), merges
-  // it there into what this would have written (pending_merges()).
+  // it there into what this would have written (pending_merges()). Its ids
+  // must be below kPendingMaxVocab (a key is id << 13 | place, 32 bits).
   template <typename ForEach>
   void AddRows(const std::vector<RowToAdd>& rows, ForEach&& for_each,
                size_t pending_max_keys = 0) {
@@ -473,8 +475,8 @@ class ControlledPlan {
   }
 
   // Writes the row's list entries from pending_entries_[at] on, in
-  // MergeEntries' key order before sorting, and returns how many (its
-  // KeyCount).
+  // MergeEntries' key order before sorting, and returns how many: at most
+  // its KeyCount (outputs of count 0 give none).
   size_t WritePendingEntries(const ControlledRowInput& in, size_t at) {
     PendingListEntry* next = pending_entries_.data() + at;
     auto put = [&next](int32_t id, uint32_t kind, uint32_t value) {

@@ -105,8 +105,9 @@ cudaError_t LaunchControlledSampleFromUnits(
 // afterwards those bytes are what the host merge would have written (the
 // pending rows' entries and special_end; the rest of each row's region
 // unused). Must run after the copy and before any kernel that reads the
-// entries. cudaErrorInvalidValue for bad arguments; nothing to merge is
-// cudaSuccess.
+// entries. Every record's key_count must be at most merges.max_keys (the
+// shared memory is sized by it). cudaErrorInvalidValue for bad arguments;
+// nothing to merge is cudaSuccess.
 cudaError_t LaunchMergePendingEntries(const PendingMerges& merges,
                                       cudaStream_t stream);
 

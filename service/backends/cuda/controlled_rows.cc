@@ -294,13 +294,14 @@ void TokenClassInputs::BindInputs(const void* device_bytes, int64_t vocab,
 }
 
 size_t ControlledRowBytesBound(const SamplingParams& p) {
-  // A row with kPendingMaxKeys keys or fewer may be left to the device's
-  // merge: its list entries are packed as they come as well.
+  // A row of kPendingMaxKeys keys or fewer (its list entries, as
+  // ControlledPlan counts them) may be left to the device's merge: its
+  // entries are packed as they come as well.
   const size_t entries = ListEntries(p);
   const size_t pending =
-      sizeof(PendingMergeRow) +
-      sizeof(PendingListEntry) *
-          std::min(entries, static_cast<size_t>(kPendingMaxKeys));
+      entries <= static_cast<size_t>(kPendingMaxKeys)
+          ? sizeof(PendingMergeRow) + sizeof(PendingListEntry) * entries
+          : 0;
   return sizeof(ControlledRow) + kBytesPerListEntry * entries + pending +
          sizeof(uint32_t) * p.allowed_bitmask.size();
 }

@@ -1094,8 +1094,9 @@ absl::Status CudaEngine::RecordStage1Graph(Slot& slot, int rows,
 absl::Status CudaEngine::LaunchBatchStage1(Slot& slot, int rows,
                                            int num_samples,
                                            Stage1Output output) {
-  // A classified batch's token classes' kernel, where it reads a bitmask,
-  // was launched with arguments of its own batch: call by call.
+  // Where a classified batch's token classes read a bitmask,
+  // PrepareTokenClasses launched their kernel with the offsets of this
+  // batch's bitmask words: its stage 1 goes call by call.
   if (!options_.replay_graphs || ranks_.size() != 1 || num_samples != 1 ||
       output == Stage1Output::kLogits ||
       (output == Stage1Output::kClassifiedUnits && !slot.classes_in_stage1)) {

@@ -459,13 +459,10 @@ TEST(ControlledPlanTest, PendingRowsKeepTheirListsForTheDevice) {
     in.repetition_penalty = r % 3 == 0 ? 1.0f : 1.5f;
     rows[r].in = &in;
   }
-  auto in_order = [](int64_t n, const auto& fn) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
-  };
   ControlledPlan host;
-  host.AddRows(rows, in_order);
+  host.AddRows(rows, testing_controls::InOrder{});
   ControlledPlan plan;
-  plan.AddRows(rows, in_order, kMaxKeys);
+  plan.AddRows(rows, testing_controls::InOrder{}, kMaxKeys);
   ASSERT_EQ(plan.rows(), kRows);
   std::vector<int> pending_of(kRows, -1);
   for (size_t m = 0; m < plan.pending_merges().size(); ++m) {

@@ -310,8 +310,9 @@ TEST(ControlledSamplerGpuTest, NonFiniteLogitFailsItsRowWithTheLowestId) {
 // each row's entries as the host's merge does, bit for bit: rows with
 // repeats within and across their lists, ids up to the largest it merges,
 // a row of kPendingMaxKeys keys at the top ids, rows repeating the row
-// before, rows without keys or without a repetition penalty, and rows of
-// more keys than it takes (merged on the host) between them.
+// before, rows without keys or without a repetition penalty, a row whose
+// 2000 keys are one id, and rows of more keys than it takes (merged on the
+// host) between them.
 TEST(ControlledSamplerGpuTest, PendingRowsMergeOnTheDeviceAsOnTheHost) {
   FS_SKIP_WITHOUT_GPU();
   constexpr int kRows = 96;
@@ -345,6 +346,11 @@ TEST(ControlledSamplerGpuTest, PendingRowsMergeOnTheDeviceAsOnTheHost) {
       size = kPendingMaxKeys / 4;
     }
     if (r == 9) size = kPendingMaxKeys / 4 + 2;  // more: the host's
+    if (r == 20) {  // 2000 keys of one id, 500 biases summed in list order
+      low = 42;
+      high = 43;
+      size = 500;
+    }
     std::uniform_int_distribution<int32_t> id(low, high - 1);
     for (int i = 0; i < size; ++i) {
       l.bias_ids.push_back(id(rng));
@@ -370,13 +376,10 @@ TEST(ControlledSamplerGpuTest, PendingRowsMergeOnTheDeviceAsOnTheHost) {
     in.num_output = l.output_ids.size();
     row.in = &in;
   }
-  auto in_order = [](int64_t n, const auto& fn) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
-  };
   ControlledPlan host;
-  host.AddRows(rows, in_order);
+  host.AddRows(rows, testing_controls::InOrder{});
   ControlledPlan device;
-  device.AddRows(rows, in_order, kPendingMaxKeys);
+  device.AddRows(rows, testing_controls::InOrder{}, kPendingMaxKeys);
   ASSERT_EQ(host.rows(), kRows);
   ASSERT_EQ(device.rows(), kRows);
   ASSERT_GT(device.pending_merges().size(), 40u);

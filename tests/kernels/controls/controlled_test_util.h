@@ -33,6 +33,14 @@ inline ControlledPlan PlanOf(const std::vector<RowSpec>& specs) {
   return plan;
 }
 
+// ControlledPlan::AddRows' for_each on the calling thread, in order.
+struct InOrder {
+  template <typename Fn>
+  void operator()(int64_t n, const Fn& fn) const {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  }
+};
+
 // The same rows with each row's merge of up to kPendingMaxKeys keys left to
 // the device (ControlledPlan::AddRows' pending rows).
 inline ControlledPlan PendingPlanOf(const std::vector<RowSpec>& specs) {
@@ -47,12 +55,7 @@ inline ControlledPlan PendingPlanOf(const std::vector<RowSpec>& specs) {
     rows.push_back(row);
   }
   ControlledPlan plan;
-  plan.AddRows(
-      rows,
-      [](int64_t n, const auto& fn) {
-        for (int64_t i = 0; i < n; ++i) fn(i);
-      },
-      kPendingMaxKeys);
+  plan.AddRows(rows, InOrder{}, kPendingMaxKeys);
   return plan;
 }
 

@@ -104,12 +104,11 @@ TEST(ControlledRowsTest, EngineLimitsRefuseTheRowNamingTheField) {
   top.logprobs.top_n = kCudaMaxTopLogprobs;
   EXPECT_TRUE(ValidateCudaRow(top, kVocab).ok());
 
-  // Packed lists beyond the 16 MB staging: 13 bytes an entry, and up to
-  // kPendingMaxKeys of them as they come for the device's merge.
+  // Packed lists beyond the 16 MB staging: 13 bytes an entry (a row of
+  // more than kPendingMaxKeys is merged on the host, its entries not packed
+  // as they come as well).
   const size_t limit = kControlledPlanBudgetBytes - kControlledPlanLayoutSlack;
-  const size_t fits = (limit - sizeof(ControlledRow) - sizeof(PendingMergeRow) -
-                       sizeof(PendingListEntry) * kPendingMaxKeys) /
-                      13;
+  const size_t fits = (limit - sizeof(ControlledRow)) / 13;
   SamplingParams banned;
   banned.banned_token_ids.assign(fits, 7);
   EXPECT_LE(ControlledRowBytesBound(banned), limit);

@@ -935,6 +935,31 @@ TEST_F(CudaEngineGpuTest, GraphReplaysGiveTheTokensOfLaunchesOneByOne) {
   ASSERT_TRUE(direct.ok()) << direct.status();
   auto sampler = CpuReference(values, kVocab, kHidden);
   ASSERT_TRUE(sampler.ok()) << sampler.status();
+  // The batch on both engines and the CPU sampler: the same tokens.
+  auto expect_same_tokens = [&](int slot, const Batch& batch,
+                                const std::string& where) {
+    const int rows = static_cast<int>(batch.specs.size());
+    Stage(**replaying, slot, batch);
+    Stage(**direct, slot, batch);
+    std::vector<RowResult> replayed, launched, cpu;
+    ASSERT_TRUE(
+        (*replaying)
+            ->Sample(BatchView{slot, rows, batch.specs.data()}, &replayed)
+            .ok())
+        << where;
+    ASSERT_TRUE(
+        (*direct)
+            ->Sample(BatchView{slot, rows, batch.specs.data()}, &launched)
+            .ok())
+        << where;
+    ASSERT_TRUE(
+        (*sampler)
+            ->Sample(batch.hidden.data(), rows, batch.specs.data(), &cpu)
+            .ok())
+        << where;
+    EXPECT_EQ(Tokens(replayed), Tokens(launched)) << where;
+    EXPECT_EQ(Tokens(replayed), Tokens(cpu)) << where;
+  };
   // 65..256 rows: the 128-column and two-tile launches.
   const std::vector<int> sizes = {1, 5, 64, 100, 5, 1, 256, 64, 100, 256};
   const int64_t launches_at_start = launches->load();
@@ -946,26 +971,7 @@ TEST_F(CudaEngineGpuTest, GraphReplaysGiveTheTokensOfLaunchesOneByOne) {
       const std::string where = std::to_string(rows) + " rows, slot " +
                                 std::to_string(slot) + ", round " +
                                 std::to_string(round);
-      Stage(**replaying, slot, batch);
-      Stage(**direct, slot, batch);
-      std::vector<RowResult> replayed, launched, cpu;
-      ASSERT_TRUE(
-          (*replaying)
-              ->Sample(BatchView{slot, rows, batch.specs.data()}, &replayed)
-              .ok())
-          << where;
-      ASSERT_TRUE(
-          (*direct)
-              ->Sample(BatchView{slot, rows, batch.specs.data()}, &launched)
-              .ok())
-          << where;
-      ASSERT_TRUE(
-          (*sampler)
-              ->Sample(batch.hidden.data(), rows, batch.specs.data(), &cpu)
-              .ok())
-          << where;
-      EXPECT_EQ(Tokens(replayed), Tokens(launched)) << where;
-      EXPECT_EQ(Tokens(replayed), Tokens(cpu)) << where;
+      expect_same_tokens(slot, batch, where);
     }
   }
   // Every batch of the replaying engine went out as a graph launch.
@@ -976,48 +982,31 @@ TEST_F(CudaEngineGpuTest, GraphReplaysGiveTheTokensOfLaunchesOneByOne) {
   // each or, where the rows share one request's params, one row for all:
   // each recorded on its size's first batch and replayed after, with the
   // tokens of launches one by one and of the CPU sampler.
-  SamplingParams biased;
-  biased.temperature = 0.8f;
-  biased.top_k = 40;
-  for (int i = 0; i < 24; ++i) {
-    biased.logit_bias.push_back(
-        {static_cast<int32_t>((i * 113) % kVocab), 1.5f});
-  }
-  biased.banned_token_ids = {7, 11};
-  std::vector<SamplingParams> own(64, biased);
-  for (size_t i = 0; i < own.size(); ++i) {
-    own[i].logit_bias[0].bias = 0.25f * static_cast<float>(i);
-  }
   const int64_t classified_launches = launches->load();
   const int64_t classified_units = unit_batches->load();
   for (int rows : {1, 64, 1, 64}) {
     for (bool shared : {false, true}) {
+      // Other ids every batch: a replay that ranked by the batch before's
+      // token classes would give other tokens.
+      SamplingParams biased;
+      biased.temperature = 0.8f;
+      biased.top_k = 40;
+      for (int i = 0; i < 24; ++i) {
+        biased.logit_bias.push_back(
+            {static_cast<int32_t>((i * 113 + round * 7) % kVocab), 1.5f});
+      }
+      biased.banned_token_ids = {7 + round, 11};
+      std::vector<SamplingParams> own(rows, biased);
+      for (size_t i = 0; i < own.size(); ++i) {
+        own[i].logit_bias[0].bias = 0.25f * static_cast<float>(i);
+      }
       Batch batch = MakeBatch(rows, kHidden, 900 + round++, 1);
       for (int i = 0; i < rows; ++i) {
         batch.specs[i].params = shared ? &biased : &own[i];
       }
       const std::string where = std::to_string(rows) + " rows with entries" +
                                 (shared ? ", one params" : "");
-      Stage(**replaying, 0, batch);
-      Stage(**direct, 0, batch);
-      std::vector<RowResult> replayed, launched, cpu;
-      ASSERT_TRUE(
-          (*replaying)
-              ->Sample(BatchView{0, rows, batch.specs.data()}, &replayed)
-              .ok())
-          << where;
-      ASSERT_TRUE(
-          (*direct)
-              ->Sample(BatchView{0, rows, batch.specs.data()}, &launched)
-              .ok())
-          << where;
-      ASSERT_TRUE(
-          (*sampler)
-              ->Sample(batch.hidden.data(), rows, batch.specs.data(), &cpu)
-              .ok())
-          << where;
-      EXPECT_EQ(Tokens(replayed), Tokens(launched)) << where;
-      EXPECT_EQ(Tokens(replayed), Tokens(cpu)) << where;
+      expect_same_tokens(0, batch, where);
     }
   }
   // Each batch the units served went out as one graph launch (a batch they
