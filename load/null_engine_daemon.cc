@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "service/backends/engine.h"
+#include "service/backends/sampling_params.h"
 #include "service/serving/process_setup.h"
 #include "service/serving/server.h"
 
@@ -35,6 +36,9 @@ ABSL_FLAG(int, parse_threads, flashsampler::ServerOptions().parse_threads,
           "threads that help parse large row_params (0: the handler alone)");
 ABSL_FLAG(absl::Duration, engine_delay, absl::ZeroDuration(),
           "time each batch takes (a kernel stand-in); 0 = returns at once");
+ABSL_FLAG(bool, controls, false,
+          "claim every sampling control, so that requests with controls are "
+          "decoded and batched as for the CUDA engine (answers: token 0)");
 
 namespace flashsampler {
 namespace {
@@ -42,7 +46,7 @@ namespace {
 class NullEngine final : public Engine {
  public:
   NullEngine(int64_t vocab, int64_t hidden, DType input_dtype, int max_rows,
-             int slots, absl::Duration delay)
+             int slots, absl::Duration delay, bool controls)
       : delay_(delay) {
     info_.backend = "null";
     info_.vocab_size = vocab;
@@ -51,6 +55,7 @@ class NullEngine final : public Engine {
     info_.input_dtype = input_dtype;
     info_.max_batch_rows = max_rows;
     info_.shards.push_back({0, -1, 0, vocab});
+    if (controls) info_.supported_controls = AllSamplingControls();
     inputs_.resize(static_cast<size_t>(slots));
     for (auto& input : inputs_) {
       input.resize(static_cast<size_t>(max_rows) * hidden * 4);
@@ -107,7 +112,7 @@ int Main(int argc, char** argv) {
   auto engine = std::make_unique<NullEngine>(
       absl::GetFlag(FLAGS_vocab), absl::GetFlag(FLAGS_hidden), dtype,
       absl::GetFlag(FLAGS_max_batch_rows), absl::GetFlag(FLAGS_slots),
-      absl::GetFlag(FLAGS_engine_delay));
+      absl::GetFlag(FLAGS_engine_delay), absl::GetFlag(FLAGS_controls));
   auto server =
       Server::CreateWithEngine(options, std::move(engine), nullptr, "null");
   if (!server.ok()) {
