@@ -13,6 +13,7 @@
 #include <cmath>
 #endif
 
+#include "kernels/controls/controlled_types.h"
 #include "kernels/noise/philox.h"
 
 namespace flashsampler {
@@ -29,6 +30,24 @@ constexpr uint8_t kSpecialHasBias = 1u;
 constexpr uint8_t kSpecialBanned = 2u;
 // In prompt ids or output ids, and the row's repetition penalty is not 1.
 constexpr uint8_t kSpecialRepeated = 4u;
+
+// The flag a row's list entry of `kind` (kPendingBias .. kPendingOutput)
+// gives its id's merged entry: a bias entry HasBias, a banned id Banned, a
+// prompt id Repeated (listed only under a repetition penalty), an output id
+// Repeated where the row's repetition penalty is not 1. The host's merge
+// and the device's share it; the bias sum and the output counts are theirs.
+FS_HOST_DEVICE uint8_t ListEntryFlag(uint32_t kind, bool penalized) {
+  switch (kind) {
+    case kPendingBias:
+      return kSpecialHasBias;
+    case kPendingBanned:
+      return kSpecialBanned;
+    case kPendingPrompt:
+      return kSpecialRepeated;
+    default:
+      return penalized ? kSpecialRepeated : uint8_t{0};
+  }
+}
 
 // Radix select: 4 levels of 8 bits over a 32-bit key, 256 bins per level.
 constexpr int kRadixLevels = 4;

@@ -423,18 +423,10 @@ class ControlledPlan {
     const size_t room = KeyCount(in);
     keys->resize(2 * room);
     uint64_t* next = keys->data();
-    auto key = [&next](int32_t id, uint64_t kind, size_t i) {
-      *next++ = uint64_t{static_cast<uint32_t>(id)} << 32 | kind << kKindShift |
-                static_cast<uint64_t>(i);
-    };
-    for (size_t i = 0; i < in.num_bias; ++i) key(in.bias_ids[i], 0, i);
-    for (size_t i = 0; i < in.num_banned; ++i) key(in.banned_ids[i], 1, i);
-    if (penalized) {
-      for (size_t i = 0; i < in.num_prompt; ++i) key(in.prompt_ids[i], 2, i);
-    }
-    for (size_t i = 0; i < in.num_output; ++i) {
-      if (in.output_counts[i] > 0) key(in.output_ids[i], 3, i);
-    }
+    ForEachListEntry(in, [&next](int32_t id, uint32_t kind, size_t i) {
+      *next++ = uint64_t{static_cast<uint32_t>(id)} << 32 |
+                uint64_t{kind} << kKindShift | static_cast<uint64_t>(i);
+    });
     const size_t count = static_cast<size_t>(next - keys->data());
     SortKeysById(keys->data(), count, keys->data() + room);
     size_t entries = at;
@@ -446,24 +438,15 @@ class ControlledPlan {
       int32_t total = 0;
       for (; e < count && static_cast<int32_t>(k[e] >> 32) == id; ++e) {
         const size_t index = static_cast<size_t>(k[e] & kIndexMask);
-        switch ((k[e] >> kKindShift) & 3) {
-          case 0:
-            bias = (flags & controls::kSpecialHasBias)
-                       ? bias + in.bias_values[index]
-                       : in.bias_values[index];
-            flags |= controls::kSpecialHasBias;
-            break;
-          case 1:
-            flags |= controls::kSpecialBanned;
-            break;
-          case 2:
-            flags |= controls::kSpecialRepeated;
-            break;
-          default:
-            if (penalized) flags |= controls::kSpecialRepeated;
-            total += in.output_counts[index];
-            break;
+        const uint32_t kind = static_cast<uint32_t>(k[e] >> kKindShift) & 3u;
+        if (kind == kPendingBias) {
+          bias = (flags & controls::kSpecialHasBias)
+                     ? bias + in.bias_values[index]
+                     : in.bias_values[index];
+        } else if (kind == kPendingOutput) {
+          total += in.output_counts[index];
         }
+        flags |= controls::ListEntryFlag(kind, penalized);
       }
       special_ids_[entries] = id;
       special_flags_[entries] = flags;
@@ -479,29 +462,36 @@ class ControlledPlan {
   // its KeyCount (outputs of count 0 give none).
   size_t WritePendingEntries(const ControlledRowInput& in, size_t at) {
     PendingListEntry* next = pending_entries_.data() + at;
-    auto put = [&next](int32_t id, uint32_t kind, uint32_t value) {
+    ForEachListEntry(in, [&next, &in](int32_t id, uint32_t kind, size_t i) {
       next->id_kind = static_cast<uint32_t>(id) | kind << kPendingKindShift;
-      next->value = value;
+      next->value = 0;
+      if (kind == kPendingBias) {
+        std::memcpy(&next->value, &in.bias_values[i], sizeof(next->value));
+      } else if (kind == kPendingOutput) {
+        next->value = static_cast<uint32_t>(in.output_counts[i]);
+      }
       ++next;
-    };
-    for (size_t i = 0; i < in.num_bias; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &in.bias_values[i], sizeof(bits));
-      put(in.bias_ids[i], kPendingBias, bits);
-    }
+    });
+    return static_cast<size_t>(next - (pending_entries_.data() + at));
+  }
+
+  // Calls fn(id, kind, index) for each entry of the row's lists that gives
+  // its id a merged entry, list by list in kind order (kPendingBias ..
+  // kPendingOutput) and each list in order: prompt ids only under a
+  // repetition penalty, output ids only with a positive count.
+  template <typename Fn>
+  static void ForEachListEntry(const ControlledRowInput& in, Fn&& fn) {
+    for (size_t i = 0; i < in.num_bias; ++i)
+      fn(in.bias_ids[i], kPendingBias, i);
     for (size_t i = 0; i < in.num_banned; ++i)
-      put(in.banned_ids[i], kPendingBanned, 0);
+      fn(in.banned_ids[i], kPendingBanned, i);
     if (in.repetition_penalty != 1.0f) {
       for (size_t i = 0; i < in.num_prompt; ++i)
-        put(in.prompt_ids[i], kPendingPrompt, 0);
+        fn(in.prompt_ids[i], kPendingPrompt, i);
     }
     for (size_t i = 0; i < in.num_output; ++i) {
-      if (in.output_counts[i] > 0) {
-        put(in.output_ids[i], kPendingOutput,
-            static_cast<uint32_t>(in.output_counts[i]));
-      }
+      if (in.output_counts[i] > 0) fn(in.output_ids[i], kPendingOutput, i);
     }
-    return static_cast<size_t>(next - (pending_entries_.data() + at));
   }
 
   // Appends the row's controls, its entries [begin, end) and its bitmask.

@@ -136,21 +136,9 @@ __global__ void __launch_bounds__(kMergeThreads)
         flags = 0;
         count = 0;
       }
-      switch (keys[i] & kPlaceMask) {
-        case kPendingBias:
-          flags |= controls::kSpecialHasBias;
-          break;
-        case kPendingBanned:
-          flags |= controls::kSpecialBanned;
-          break;
-        case kPendingPrompt:
-          flags |= controls::kSpecialRepeated;
-          break;
-        default:
-          if (penalized) flags |= controls::kSpecialRepeated;
-          count += static_cast<int32_t>(values[i]);
-          break;
-      }
+      const uint32_t kind = keys[i] & kPlaceMask;
+      flags |= controls::ListEntryFlag(kind, penalized);
+      if (kind == kPendingOutput) count += static_cast<int32_t>(values[i]);
     }
     if (index >= 0 && (flags != 0 || count != 0)) {
       atomicOr(&id_flags[index], flags);

@@ -519,23 +519,14 @@ TEST(ControlledPlanTest, PendingRowsKeepTheirListsForTheDevice) {
       for (; k < keys.size() && (keys[k].id_kind & id_mask) == token; ++k) {
         float v;
         std::memcpy(&v, &keys[k].value, sizeof(v));
-        switch (keys[k].id_kind >> kPendingKindShift) {
-          case kPendingBias:
-            bias = (flags & controls::kSpecialHasBias) ? bias + v : v;
-            flags |= controls::kSpecialHasBias;
-            break;
-          case kPendingBanned:
-            flags |= controls::kSpecialBanned;
-            break;
-          case kPendingPrompt:
-            flags |= controls::kSpecialRepeated;
-            break;
-          default:
-            if (inputs[source].repetition_penalty != 1.0f)
-              flags |= controls::kSpecialRepeated;
-            count += static_cast<int32_t>(keys[k].value);
-            break;
+        const uint32_t kind = keys[k].id_kind >> kPendingKindShift;
+        if (kind == kPendingBias) {
+          bias = (flags & controls::kSpecialHasBias) ? bias + v : v;
+        } else if (kind == kPendingOutput) {
+          count += static_cast<int32_t>(keys[k].value);
         }
+        flags |= controls::ListEntryFlag(
+            kind, inputs[source].repetition_penalty != 1.0f);
       }
       got_ids.push_back(static_cast<int32_t>(token));
       got_flags.push_back(flags);
