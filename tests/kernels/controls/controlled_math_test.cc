@@ -283,27 +283,6 @@ TEST(ControlledMathTest, RadixCutsEqualSortedCuts) {
   }
 }
 
-// A row's input pointing into the lists (which must outlive it).
-ControlledRowInput InputOfLists(const std::vector<int32_t>& bias_ids,
-                                const std::vector<float>& bias_values,
-                                const std::vector<int32_t>& banned,
-                                const std::vector<int32_t>& prompt,
-                                const std::vector<int32_t>& output_ids,
-                                const std::vector<int32_t>& output_counts) {
-  ControlledRowInput in;
-  in.bias_ids = bias_ids.data();
-  in.bias_values = bias_values.data();
-  in.num_bias = bias_ids.size();
-  in.banned_ids = banned.data();
-  in.num_banned = banned.size();
-  in.prompt_ids = prompt.data();
-  in.num_prompt = prompt.size();
-  in.output_ids = output_ids.data();
-  in.output_counts = output_counts.data();
-  in.num_output = output_ids.size();
-  return in;
-}
-
 TEST(ControlledPlanTest, MergesListsLikeTheCpuPlan) {
   const std::vector<int32_t> bias_ids = {7, 3, 7, 9};
   const std::vector<float> bias_values = {0.1f, -1.0f, 0.2f, 0.5f};
@@ -311,8 +290,8 @@ TEST(ControlledPlanTest, MergesListsLikeTheCpuPlan) {
   const std::vector<int32_t> prompt = {3, 5, 5};
   const std::vector<int32_t> output_ids = {5, 11, 5, 12};
   const std::vector<int32_t> output_counts = {2, 0, 1, 3};
-  ControlledRowInput in = InputOfLists(bias_ids, bias_values, banned, prompt,
-                                       output_ids, output_counts);
+  ControlledRowInput in = testing_controls::InputOfLists(
+      bias_ids, bias_values, banned, prompt, output_ids, output_counts);
   in.repetition_penalty = 1.2f;
   in.min_p = 0.1f;
   ControlledPlan plan;
@@ -377,8 +356,8 @@ TEST(ControlledPlanTest, ManyKeysMergeAsTheListsSay) {
         output_ids[i] = id(rng);
         output_counts[i] = static_cast<int32_t>(rng() % 4);  // 0: no entry
       }
-      ControlledRowInput in = InputOfLists(bias_ids, bias_values, banned,
-                                           prompt, output_ids, output_counts);
+      ControlledRowInput in = testing_controls::InputOfLists(
+          bias_ids, bias_values, banned, prompt, output_ids, output_counts);
       in.repetition_penalty = trial % 3 == 0 ? 1.0f : 1.3f;
       const bool penalized = in.repetition_penalty != 1.0f;
       struct Entry {
@@ -450,7 +429,8 @@ TEST(ControlledPlanTest, PendingRowsKeepTheirListsForTheDevice) {
     }
     ControlledRowInput& in = inputs[r];
     if (r != 7) {  // row 7: output ids alone, every count 0
-      in = InputOfLists(ids[r], values[r], ids[r], ids[r], ids[r], counts[r]);
+      in = testing_controls::InputOfLists(ids[r], values[r], ids[r], ids[r],
+                                          ids[r], counts[r]);
     } else {
       in.output_ids = ids[r].data();
       in.output_counts = counts[r].data();

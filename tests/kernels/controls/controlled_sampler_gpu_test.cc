@@ -362,18 +362,11 @@ TEST(ControlledSamplerGpuTest, PendingRowsMergeOnTheDeviceAsOnTheHost) {
       l.output_counts.push_back(r == 1 ? 1 : static_cast<int32_t>(rng() % 4));
     }
     ControlledRowInput& in = inputs[r];
+    in =
+        testing_controls::InputOfLists(l.bias_ids, l.bias_values, l.banned,
+                                       l.prompt, l.output_ids, l.output_counts);
     in.repetition_penalty = r % 3 == 0 ? 1.0f : 1.3f;
     if (r == 1 || r == 9) in.repetition_penalty = 1.3f;
-    in.bias_ids = l.bias_ids.data();
-    in.bias_values = l.bias_values.data();
-    in.num_bias = l.bias_ids.size();
-    in.banned_ids = l.banned.data();
-    in.num_banned = l.banned.size();
-    in.prompt_ids = l.prompt.data();
-    in.num_prompt = l.prompt.size();
-    in.output_ids = l.output_ids.data();
-    in.output_counts = l.output_counts.data();
-    in.num_output = l.output_ids.size();
     row.in = &in;
   }
   ControlledPlan host;

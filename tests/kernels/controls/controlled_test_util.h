@@ -33,6 +33,26 @@ inline ControlledPlan PlanOf(const std::vector<RowSpec>& specs) {
   return plan;
 }
 
+// A row's input pointing into the lists (which must outlive it).
+inline ControlledRowInput InputOfLists(
+    const std::vector<int32_t>& bias_ids, const std::vector<float>& bias_values,
+    const std::vector<int32_t>& banned, const std::vector<int32_t>& prompt,
+    const std::vector<int32_t>& output_ids,
+    const std::vector<int32_t>& output_counts) {
+  ControlledRowInput in;
+  in.bias_ids = bias_ids.data();
+  in.bias_values = bias_values.data();
+  in.num_bias = bias_ids.size();
+  in.banned_ids = banned.data();
+  in.num_banned = banned.size();
+  in.prompt_ids = prompt.data();
+  in.num_prompt = prompt.size();
+  in.output_ids = output_ids.data();
+  in.output_counts = output_counts.data();
+  in.num_output = output_ids.size();
+  return in;
+}
+
 // ControlledPlan::AddRows' for_each on the calling thread, in order.
 struct InOrder {
   template <typename Fn>
