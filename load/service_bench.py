@@ -30,6 +30,13 @@ time at the same batch sizes when fs_bench results are given.
   # the service path alone (engine answers at once):
   load/service_bench.py --daemon build/bin/flashsamplerd_null_engine \\
       --load build/bin/fs_load --backend null --out /tmp/sb
+  # what controls cost, paired: at each point, temperature alone and then
+  # with the controls (--compare_arg, added to --load_arg), against the same
+  # daemon, in alternating order, three rounds; compare.csv holds each
+  # round's ratio of the two rows/s:
+  load/service_bench.py ... --grid rows --rounds 3 \\
+      --load_arg=--temperature=0.8 --compare_arg=--top_k=50 \\
+      --compare_arg=--top_p=0.9 --compare_arg=--min_p=0.05
 
 Columns: fs_load's throughput and percentiles; the daemon's mean request
 decoding, queue wait, batch execution time, response encoding and batch
@@ -51,6 +58,7 @@ Only the standard library: it runs on the GPU machines as they are.
 """
 
 import argparse
+import collections
 import csv
 import os
 import re
@@ -58,6 +66,7 @@ import resource
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,6 +85,13 @@ SMOKE_GRID = [("closed", 1, 1), ("closed", 16, 1), ("closed", 4, 16),
 # per-row controls (bitmasks, logprobs) cost the service.
 ROWS_GRID = [("closed", 1, 1), ("closed", 64, 1), ("closed", 1, 64),
              ("closed", 1, 256), ("closed", 4, 64)]
+
+# One fs_load run: its label in the tables (the point, then "-rN" where
+# --rounds > 1 and "-base" or "-compared" with --compare_arg), the point
+# and the run's round and configuration, and fs_load's arguments beyond
+# the point's.
+Run = collections.namedtuple(
+    "Run", "label point config round mode amount rows load_args")
 
 HISTOGRAMS = ("flashsampler_queue_wait_seconds",
               "flashsampler_batch_execute_seconds",
@@ -205,6 +221,42 @@ def fmt(value, digits=3):
     return "" if value is None or value != value else f"{value:.{digits}f}"
 
 
+def write_comparison(runs, load_rows, path):
+    """compare.csv and its table: each point's and round's rows/s and p50 of
+    the two configurations and the compared one's share of the base's
+    rows/s, then each point's lowest, median and highest share."""
+    pairs = {}
+    for run in runs:
+        pairs.setdefault((run.point, run.round),
+                         {})[run.config] = load_rows[run.label]
+    header = ["point", "round", "base_rows_per_s", "compared_rows_per_s",
+              "compared_share", "base_p50_ms", "compared_p50_ms"]
+    shares = {}
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        print()
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for (point, round_), pair in pairs.items():
+            base = float(pair["base"]["rows_per_s"])
+            compared = float(pair["compared"]["rows_per_s"])
+            share = compared / base if base > 0 else float("nan")
+            shares.setdefault(point, []).append(share)
+            values = [point, str(round_), fmt(base, 0), fmt(compared, 0),
+                      fmt(share), fmt(float(pair["base"]["p50_ms"])),
+                      fmt(float(pair["compared"]["p50_ms"]))]
+            writer.writerow(values)
+            print("| " + " | ".join(values) + " |")
+    print()
+    print("| point | compared share: lowest | median | highest |")
+    print("|---|---|---|---|")
+    for point, values in shares.items():
+        ordered = sorted(values)
+        print(f"| {point} | {fmt(ordered[0])} | "
+              f"{fmt(statistics.median(ordered))} | {fmt(ordered[-1])} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--daemon", required=True)
@@ -233,7 +285,16 @@ def main():
     parser.add_argument("--load_arg", action="append", default=[],
                         help="passed to every fs_load run, e.g. "
                         "--load_arg=--top_k=50")
+    parser.add_argument("--compare_arg", action="append", default=[],
+                        help="fs_load args of a second configuration, run "
+                        "after (or before) --load_arg's at every point and "
+                        "round, with --load_arg's; compare.csv holds the "
+                        "ratios, e.g. --compare_arg=--top_k=50")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each point (and configuration)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     os.makedirs(args.out, exist_ok=True)
     port, metrics_port = free_port(), free_port()
@@ -265,9 +326,28 @@ def main():
         summary = os.path.join(args.out, "load.csv")
         if os.path.exists(summary):
             os.remove(summary)
-        rows_out = []
+        runs = []
         for mode, amount, rows in grid:
-            label = f"{mode}-{amount}-{rows}"
+            point = f"{mode}-{amount}-{rows}"
+            for round_ in range(1, args.rounds + 1):
+                configs = [("base", args.load_arg)]
+                if args.compare_arg:
+                    configs.append(("compared",
+                                    args.load_arg + args.compare_arg))
+                    # Alternating order: a drift of the host over a round
+                    # favours neither.
+                    if round_ % 2 == 0:
+                        configs.reverse()
+                for config, load_args in configs:
+                    label = point
+                    if args.rounds > 1:
+                        label += f"-r{round_}"
+                    if args.compare_arg:
+                        label += f"-{config}"
+                    runs.append(Run(label, point, config, round_, mode,
+                                    amount, rows, load_args))
+        rows_out = []
+        for label, _, _, _, mode, amount, rows, load_args in runs:
             command = [args.load, f"--target={target}",
                        f"--mode={mode}", f"--rows={rows}",
                        f"--duration={args.duration}",
@@ -279,7 +359,7 @@ def main():
             # connection tops out near 17k small calls/s, below the daemon.
             callers = amount if mode == "closed" else 64
             command.append(f"--channels={min(8, max(1, callers // 8))}")
-            command += args.load_arg
+            command += load_args
             before = scrape(metrics_port)
             usage_before = process_usage(daemon.pid)
             host_before, load_before = host_cpu(), children_cpu_s()
@@ -347,6 +427,9 @@ def main():
                           fmt(extra["fallback_pct"], 2)]
                 writer.writerow(values)
                 print("| " + " | ".join(values) + " |")
+        if args.compare_arg:
+            write_comparison(runs, load_rows,
+                             os.path.join(args.out, "compare.csv"))
         if daemon.poll() is not None:
             print("service_bench: the daemon died; see daemon.log",
                   file=sys.stderr)

@@ -4,6 +4,8 @@ weights, the smoke grid, short points, every request with top_k, a bitmask,
 bias entries, penalties and raw logprobs on each of its rows (fs_load's
 controls flags, as row_params). Asserts that the table is
 produced, one row per point, with no errors (timings are not asserted).
+Then the paired comparison: two rounds of temperature alone against top_k
+and top_p, whose compare.csv holds each point's two rounds.
 
   service_bench_smoke.py SOURCE_DIR DAEMON FS_LOAD OUT_DIR
 """
@@ -57,7 +59,44 @@ def main():
                 print(f"{part} {row[part]!r} not in [0, {bound:.3f}) ms: "
                       f"{row}", file=sys.stderr)
                 return 1
-    print("service_bench smoke: table of", len(rows), "points, no errors")
+    compare_out = os.path.join(out, "compare")
+    done = subprocess.run(
+        [sys.executable, os.path.join(source, "load", "service_bench.py"),
+         "--daemon", daemon, "--load", load, "--backend", "cpu",
+         "--weights", "synthetic:vocab=4096,hidden=256,seed=1,dtype=bf16",
+         "--grid", "smoke", "--duration", "0.5s", "--warmup", "0.1s",
+         "--out", compare_out, "--daemon_arg=--cpu_threads=1", "--rounds",
+         "2", "--load_arg=--temperature=0.8", "--compare_arg=--top_k=50",
+         "--compare_arg=--top_p=0.9"],
+        timeout=240)
+    if done.returncode != 0:
+        print(f"service_bench --compare_arg exited {done.returncode}",
+              file=sys.stderr)
+        return 1
+    with open(os.path.join(compare_out, "service.csv")) as f:
+        runs = [row["point"] for row in csv.DictReader(f)]
+    # Round 2 runs the compared configuration first.
+    expected_runs = [f"{point}-r{round_}-{config}" for point in expected
+                     for round_, configs in ((1, ("base", "compared")),
+                                             (2, ("compared", "base")))
+                     for config in configs]
+    if runs != expected_runs:
+        print(f"runs {runs}, expected {expected_runs}", file=sys.stderr)
+        return 1
+    with open(os.path.join(compare_out, "compare.csv")) as f:
+        pairs = list(csv.DictReader(f))
+    if [(row["point"], row["round"]) for row in pairs] != [
+            (point, str(round_)) for point in expected for round_ in (1, 2)]:
+        print(f"compare.csv rows {pairs}", file=sys.stderr)
+        return 1
+    for row in pairs:
+        share = float(row["compared_rows_per_s"]) / float(
+            row["base_rows_per_s"])
+        if abs(float(row["compared_share"]) - share) > 1e-3:
+            print(f"bad share: {row}", file=sys.stderr)
+            return 1
+    print("service_bench smoke: table of", len(rows), "points, no errors;",
+          len(pairs), "paired rounds")
     return 0
 
 
