@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/controls/block_scan.cuh"
 #include "kernels/controls/controlled_math.h"
 #include "kernels/controls/controlled_sampler.h"
 #include "kernels/noise/philox.h"
@@ -663,31 +664,6 @@ __device__ int DistanceBin(float top, float v) {
                                                    : kDistanceBins - 1;
 }
 
-// Exclusive position of this thread's `count` items in thread order, and the
-// block's total in `*total`. Every thread calls it.
-template <int kBlockWarps>
-__device__ int BlockExclusiveScan(int count, int* warp_slots, int* total) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  int inclusive = count;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset) inclusive += up;
-  }
-  __syncthreads();  // earlier readers of warp_slots are done
-  if (lane == 31) warp_slots[warp] = inclusive;
-  __syncthreads();
-  int before = 0;
-  int all = 0;
-  for (int w = 0; w < kBlockWarps; ++w) {
-    if (w < warp) before += warp_slots[w];
-    all += warp_slots[w];
-  }
-  *total = all;
-  return before + inclusive - count;
-}
-
 // The first of a row's entries [lo, hi) of `ids` (strictly ascending) whose
 // id is >= `id`, `hi` when there is none: SpecialLowerBound with 32 pivots
 // per step, one per lane, so a chunk of a row with a few thousand entries
@@ -924,7 +900,8 @@ __global__ void __launch_bounds__(kChunkThreads, 8)
       bin_count += counts[k];
     }
     int all = 0;
-    int before = BlockExclusiveScan<kChunkWarps>(bin_count, warp_slots, &all);
+    int before =
+        controls::BlockExclusiveScan<kChunkWarps>(bin_count, warp_slots, &all);
 #pragma unroll
     for (int k = 0; k < kBinsPerThread; ++k) {
       if (before <= kChunkCandidates && before + counts[k] > kChunkCandidates)
@@ -951,8 +928,8 @@ __global__ void __launch_bounds__(kChunkThreads, 8)
   }
   // The scan's barriers also publish boundary_key.
   int written = 0;
-  int at =
-      BlockExclusiveScan<kChunkWarps>(__popc(writes), warp_slots, &written);
+  int at = controls::BlockExclusiveScan<kChunkWarps>(__popc(writes), warp_slots,
+                                                     &written);
   int32_t* ids = w.ids + slot * kChunkCandidates;
   float* values = w.raws + slot * kChunkCandidates;
 #pragma unroll
@@ -1801,7 +1778,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       int count = 0;
       for (int b = tid; b <= chosen; b += kThreads) count += m.bin_count[b];
       int sum_all = 0;
-      BlockExclusiveScan<kWarps>(count, m.warp_slots, &sum_all);
+      controls::BlockExclusiveScan<kWarps>(count, m.warp_slots, &sum_all);
       total = sum_all;
     }
     if (total > kMergeSortCapacity) return;

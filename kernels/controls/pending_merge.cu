@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/controls/block_scan.cuh"
 #include "kernels/controls/controlled_math.h"
 #include "kernels/controls/controlled_sampler.h"
 
@@ -99,22 +100,9 @@ __global__ void __launch_bounds__(kMergeThreads)
   };
   int heads = 0;
   for (int i = begin; i < end; ++i) heads += first_of_id(i) ? 1 : 0;
-  // Exclusive scan of the threads' heads: within each warp, then across.
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  int inclusive = heads;
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += v;
-  }
-  if (lane == 31) warp_heads[warp] = inclusive;
-  __syncthreads();
-  int before = inclusive - heads;
-  int total = 0;
-  for (int w = 0; w < kMergeWarps; ++w) {
-    if (w < warp) before += warp_heads[w];
-    total += warp_heads[w];
-  }
+  int total = 0;  // the row's distinct ids
+  const int before =
+      controls::BlockExclusiveScan<kMergeWarps>(heads, warp_heads, &total);
 
   const ControlledRow& row = m.row_controls[merge.first_row];
   const int64_t out_begin = row.special_begin;
