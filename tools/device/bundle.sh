@@ -30,12 +30,13 @@ cmake -G "Unix Makefiles" -S "$root" -B "$build" -DFS_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a \
   -DCMAKE_BUILD_TYPE=Release -DFS_WERROR=ON >/dev/null
 required=(fused_sampler_gpu_test cuda_engine_gpu_test controlled_sampler_gpu_test
-          cuda_fault_gpu_test fs_bench fs_controls_bench)
+          controls_stats_gpu_test cuda_fault_gpu_test fs_bench fs_controls_bench)
 cmake --build "$build" --target "${required[@]}" -j2
 binaries=(
   "$build/bin/fused_sampler_gpu_test"
   "$build/bin/cuda_engine_gpu_test"
   "$build/bin/controlled_sampler_gpu_test"
+  "$build/bin/controls_stats_gpu_test"
   "$build/bin/cuda_fault_gpu_test"
   "$build/bin/fs_bench"
   "$build/bin/fs_controls_bench"

@@ -74,6 +74,7 @@ if [[ $mode == tests || $mode == all ]]; then
   run_test fused_sampler_gpu_test
   run_test cuda_engine_gpu_test
   run_test controlled_sampler_gpu_test
+  run_test controls_stats_gpu_test
   # A trapping kernel poisons its process: this one runs alone.
   run_test cuda_fault_gpu_test
   if command -v compute-sanitizer >/dev/null; then

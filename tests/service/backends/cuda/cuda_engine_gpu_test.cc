@@ -37,51 +37,15 @@
 #include "service/backends/sampling_params.h"
 #include "service/weights/weights.h"
 #include "tests/kernels/controls/controlled_test_util.h"
+#include "tests/service/backends/cuda/cuda_engine_test_util.h"
 #include "tests/testing/gpu_test_util.h"
 
 namespace flashsampler {
 namespace {
 
-// A bf16 W of values `draw` gives (rounded to bf16) written as a
-// safetensors checkpoint and loaded back through the real loader; `values`
-// receives W in fp32.
-std::shared_ptr<const Weights> Bf16Weights(int64_t vocab, int hidden,
-                                           const std::string& tag,
-                                           const std::function<float()>& draw,
-                                           std::vector<float>* values) {
-  values->resize(vocab * hidden);
-  std::vector<uint16_t> bits(values->size());
-  for (size_t i = 0; i < values->size(); ++i) {
-    bits[i] = FloatToBf16(draw());
-    (*values)[i] = Bf16ToFloat(bits[i]);
-  }
-  const std::string path = ::testing::TempDir() + "/cuda_engine_w_" + tag +
-                           "_" + std::to_string(vocab) + ".safetensors";
-  TensorToWrite tensor;
-  tensor.name = "lm_head.weight";
-  tensor.dtype = DType::kBf16;
-  tensor.rows = vocab;
-  tensor.cols = hidden;
-  tensor.data = bits.data();
-  EXPECT_TRUE(WriteSafetensors(path, {tensor}).ok());
-  WeightsOptions options;
-  options.source = path;
-  auto weights = Weights::Load(options);
-  EXPECT_TRUE(weights.ok()) << weights.status();
-  if (!weights.ok()) return nullptr;
-  return std::shared_ptr<const Weights>(std::move(*weights));
-}
-
-// Small-integer bf16 W: every logit is an exact integer on both backends.
-std::shared_ptr<const Weights> SmallIntegerWeights(int64_t vocab, int hidden,
-                                                   uint64_t seed,
-                                                   std::vector<float>* values) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int> pick(-3, 3);
-  return Bf16Weights(
-      vocab, hidden, "int" + std::to_string(seed),
-      [&] { return static_cast<float>(pick(rng)); }, values);
-}
+using testing_cuda::Bf16Weights;
+using testing_cuda::SmallIntegerWeights;
+using testing_cuda::StageHidden;
 
 // A batch of `rows` small-integer hidden states with mixed controls.
 struct Batch {
@@ -126,14 +90,6 @@ std::vector<std::vector<int32_t>> Tokens(
   std::vector<std::vector<int32_t>> tokens;
   for (const RowResult& r : results) tokens.push_back(r.token_ids);
   return tokens;
-}
-
-// Copies fp32 hidden states (small integers: exact in bf16) into a slot.
-void StageHidden(Engine& engine, int slot, const std::vector<float>& hidden) {
-  uint16_t* input = static_cast<uint16_t*>(engine.slot_input(slot));
-  for (size_t i = 0; i < hidden.size(); ++i) {
-    input[i] = FloatToBf16(hidden[i]);
-  }
 }
 
 // The engine's rows against the CPU sampler's: the same error text, or the
