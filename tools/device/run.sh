@@ -86,6 +86,8 @@ if [[ $mode == tests || $mode == all ]]; then
     # pending rows' merge).
     run_sanitizer memcheck controlled_sampler_gpu_test '*V129*:*V1000*:*Pending*'
     run_sanitizer racecheck controlled_sampler_gpu_test '*V129*:*V1000*:*Pending*'
+    # The engine's controlled paths with rows of five kinds in one batch.
+    run_sanitizer memcheck controls_stats_gpu_test '*RowsWithDifferentControls*/V129'
   else
     summary+=("compute-sanitizer not found: sanitizer runs SKIPPED")
   fi
