@@ -340,6 +340,9 @@ inline std::vector<Case> Cases(const std::vector<double>& logits) {
       filters("top_k 30 + top_p 0.9", 1.0f, 30, 0.9f, 0.0f),
       filters("min_p 0.05 + top_p 0.9", 1.0f, 0, 0.9f, 0.05f),
       filters("temperature 1.5 + top_k 10", 1.5f, 10, 1.0f, 0.0f),
+      // More survivors than the fast paths keep at large V: the exact
+      // fallback there.
+      filters("temperature 1.5 + top_k 3000", 1.5f, 3000, 1.0f, 0.0f),
   };
   {
     Case c{"penalties + top_p 0.9", with(1.0f)};
