@@ -538,6 +538,25 @@ int FreeTcpPort() {
   return port;
 }
 
+SilentTcpListener::SilentTcpListener() {
+  fd_ = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd_ < 0) return;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      listen(fd_, 16) == 0 &&
+      getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port_ = ntohs(addr.sin_port);
+  }
+}
+
+SilentTcpListener::~SilentTcpListener() {
+  if (fd_ >= 0) close(fd_);
+}
+
 std::string HttpGet(int port, const std::string& path, int* status_code) {
   *status_code = 0;
   const int fd = socket(AF_INET, SOCK_STREAM, 0);

@@ -167,6 +167,22 @@ std::string ReflectionListServicesRaw(grpc::Channel* channel);
 
 // A free TCP port on 127.0.0.1 (bound then released; fine for tests).
 int FreeTcpPort();
+
+// A TCP listener on 127.0.0.1 whose connections the kernel accepts and no
+// one ever answers: a call to it can only run out of time.
+class SilentTcpListener {
+ public:
+  SilentTcpListener();
+  ~SilentTcpListener();
+  SilentTcpListener(const SilentTcpListener&) = delete;
+  SilentTcpListener& operator=(const SilentTcpListener&) = delete;
+
+  int port() const { return port_; }  // 0 when the socket could not listen
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
 // GET http://127.0.0.1:<port><path> over a plain socket (HTTP/1.0). Returns
 // the body; *status_code gets the HTTP status (0 when no answer).
 std::string HttpGet(int port, const std::string& path, int* status_code);
