@@ -219,11 +219,14 @@ TEST(PrometheusScrapeTest, CoarseBucketsMisplacedTheP50) {
   std::mt19937_64 random(7);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   std::vector<double> latencies;
-  // What each call cost beyond the batch's queue and execution (channel,
-  // HTTP/2, protobuf, the handler): at least what the client saw beyond
-  // the server's clock, measured during the calls themselves, since a busy
-  // host (a parallel test run) stretches it from 0.05 to 0.3 ms and more.
-  std::vector<double> round_trips;
+  // Each call's queue and execution by the server's clock, which its
+  // request duration contains: the bound from below. The client's latency
+  // is the bound from above; on a busy host (a parallel test run) a stall
+  // of the client alone stretches its tail, so the client's latency less
+  // its median overhead is no bound from below (one run of the suite on
+  // two busy cores: the client's p99 10.35 ms with 0.44 ms of median
+  // overhead, the histogram's 8.36).
+  std::vector<double> server_times;
   for (int i = 0; i < kCalls; ++i) {
     const double delay_ms = unit(random) < 0.95 ? 2.0 + 0.4 * unit(random)
                                                 : 7.0 + 1.0 * unit(random);
@@ -237,12 +240,11 @@ TEST(PrometheusScrapeTest, CoarseBucketsMisplacedTheP50) {
                              &response)
                     .ok());
     latencies.push_back(absl::ToDoubleSeconds(absl::Now() - start));
-    round_trips.push_back(latencies.back() - response.timing().queue_seconds() -
-                          response.timing().execute_seconds());
+    server_times.push_back(response.timing().queue_seconds() +
+                           response.timing().execute_seconds());
   }
   std::sort(latencies.begin(), latencies.end());
-  std::sort(round_trips.begin(), round_trips.end());
-  const double overhead = Quantile(round_trips, 0.5);
+  std::sort(server_times.begin(), server_times.end());
 
   // Cumulative buckets (no rate()): every call above, once scraped.
   const std::string series =
@@ -266,13 +268,14 @@ TEST(PrometheusScrapeTest, CoarseBucketsMisplacedTheP50) {
         absl::StrCat("histogram_quantile(", q, ", sum by (le) (", series, "))"),
         &raw);
     ASSERT_TRUE(std::isfinite(estimate)) << raw;
-    // The server's clock misses at most `overhead` of what the client saw;
+    // Between the server's queue and execution and the client's latency;
     // one bucket spans 10%.
     const double measured = Quantile(latencies, q);
+    const double server = Quantile(server_times, q);
     EXPECT_LE(estimate, 1.1 * measured)
-        << "measured " << measured << ", overhead " << overhead;
-    EXPECT_GE(estimate, 0.9 * (measured - overhead))
-        << "measured " << measured << ", overhead " << overhead;
+        << "client " << measured << ", server " << server;
+    EXPECT_GE(estimate, 0.9 * server)
+        << "client " << measured << ", server " << server;
   }
 }
 
