@@ -387,23 +387,35 @@ inline std::vector<Case> Cases(const std::vector<double>& logits) {
 // Five of Cases' parameter sets for one batch whose rows cycle through
 // them.
 inline std::vector<Case> MixedCases(const std::vector<double>& logits) {
+  const std::vector<Case> all = Cases(logits);
   std::vector<Case> mixed;
   for (const char* name :
        {"top_k 20", "min_p 0.05 + top_p 0.9", "penalties + top_p 0.9",
         "bias + banned + bitmask", "every control + raw logprobs"}) {
-    for (const Case& c : Cases(logits)) {
+    for (const Case& c : all) {
       if (c.name == name) mixed.push_back(c);
     }
   }
   return mixed;
 }
 
-// A backend's Sample() over kRows rows of one hidden state.
+// kRows copies of one row's hidden states, a batch's input.
+inline std::vector<float> RowsOf(const std::vector<float>& hidden) {
+  std::vector<float> rows;
+  rows.reserve(hidden.size() * kRows);
+  for (int r = 0; r < kRows; ++r) {
+    rows.insert(rows.end(), hidden.begin(), hidden.end());
+  }
+  return rows;
+}
+
+// A backend's Sample() over kRows rows of one hidden state (RowsOf).
 using SampleRows = std::function<absl::Status(const std::vector<RowSpec>&,
                                               std::vector<RowResult>*)>;
 
 // Samples `cases[r % cases.size()]` on the rows of `sample`, kBatches
-// times (once for greedy cases), each row its own seed, and checks each
+// times (once where every case is greedy), each row its own seed, and
+// checks each
 // case's samples: in the reference's support, greedy ones its argmax,
 // logprobs where asked, and their counts by chi-squared (printed).
 inline void ExpectSamplesFollowTheReference(const SampleRows& sample,
@@ -422,7 +434,10 @@ inline void ExpectSamplesFollowTheReference(const SampleRows& sample,
                                            std::vector<int64_t>(vocab, 0));
   std::vector<int64_t> fallback_rows(sets, 0);
   std::vector<int64_t> set_rows(sets, 0);
-  const int batches = cases[0].params.greedy() ? 1 : kBatches;
+  const bool all_greedy =
+      std::all_of(cases.begin(), cases.end(),
+                  [](const Case& c) { return c.params.greedy(); });
+  const int batches = all_greedy ? 1 : kBatches;
   for (int b = 0; b < batches; ++b) {
     std::vector<RowSpec> specs(kRows);
     for (int r = 0; r < kRows; ++r) {

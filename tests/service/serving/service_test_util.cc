@@ -522,21 +522,7 @@ std::string ReflectionListServicesRaw(grpc::Channel* channel) {
   return raw;
 }
 
-int FreeTcpPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    socklen_t len = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
-}
+int FreeTcpPort() { return SilentTcpListener().port(); }
 
 SilentTcpListener::SilentTcpListener() {
   fd_ = socket(AF_INET, SOCK_STREAM, 0);

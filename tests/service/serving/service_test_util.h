@@ -165,7 +165,8 @@ bool PollUntil(const std::function<bool()>& predicate, absl::Duration timeout);
 // as the raw serialized response (tests look for names in it).
 std::string ReflectionListServicesRaw(grpc::Channel* channel);
 
-// A free TCP port on 127.0.0.1 (bound then released; fine for tests).
+// A free TCP port on 127.0.0.1 (a SilentTcpListener's, released; fine for
+// tests).
 int FreeTcpPort();
 
 // A TCP listener on 127.0.0.1 whose connections the kernel accepts and no

@@ -22,7 +22,6 @@ namespace {
 
 using controls_stats::Case;
 using controls_stats::kHidden;
-using controls_stats::kRows;
 
 class CpuControlsStatsTest : public ::testing::TestWithParam<int64_t> {
  protected:
@@ -39,10 +38,7 @@ class CpuControlsStatsTest : public ::testing::TestWithParam<int64_t> {
                            vocab, kHidden, CpuSamplerOptions());
     ASSERT_TRUE(sampler.ok()) << sampler.status();
     sampler_ = std::move(*sampler);
-    rows_hidden_.clear();
-    for (int r = 0; r < kRows; ++r) {
-      rows_hidden_.insert(rows_hidden_.end(), hidden.begin(), hidden.end());
-    }
+    rows_hidden_ = controls_stats::RowsOf(hidden);
   }
 
   controls_stats::SampleRows Rows() {

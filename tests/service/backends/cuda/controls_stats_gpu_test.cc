@@ -29,31 +29,14 @@ using controls_stats::kRows;
 class ControlsStatsGpuTest : public ::testing::TestWithParam<int64_t> {
  protected:
   void SetUp() override { FS_SKIP_WITHOUT_GPU(); }
-
-  // An engine on device 0 over small-integer W (`values` receives it).
-  static std::unique_ptr<Engine> OneGpuEngine(int64_t vocab, uint64_t seed,
-                                              std::vector<float>* values) {
-    auto weights =
-        testing_cuda::SmallIntegerWeights(vocab, kHidden, seed, values);
-    if (weights == nullptr) return nullptr;
-    CudaEngineOptions options;
-    options.devices = {0};
-    options.max_batch_rows = kRows;
-    auto engine = CreateCudaEngine(weights, options);
-    EXPECT_TRUE(engine.ok()) << engine.status();
-    return engine.ok() ? std::move(*engine) : nullptr;
-  }
 };
 
 // The engine's Sample() on slot 0, every row `hidden`.
 controls_stats::SampleRows EngineRows(Engine& engine,
                                       const std::vector<float>& hidden) {
-  std::vector<float> rows_hidden;
-  for (int r = 0; r < kRows; ++r) {
-    rows_hidden.insert(rows_hidden.end(), hidden.begin(), hidden.end());
-  }
-  return [&engine, rows_hidden](const std::vector<RowSpec>& specs,
-                                std::vector<RowResult>* results) {
+  return [&engine, rows_hidden = controls_stats::RowsOf(hidden)](
+             const std::vector<RowSpec>& specs,
+             std::vector<RowResult>* results) {
     testing_cuda::StageHidden(engine, 0, rows_hidden);
     return engine.Sample(
         BatchView{0, static_cast<int>(specs.size()), specs.data()}, results);
@@ -63,14 +46,14 @@ controls_stats::SampleRows EngineRows(Engine& engine,
 TEST_P(ControlsStatsGpuTest, EachControlAndCombinationFollowsTheReference) {
   const int64_t vocab = GetParam();
   std::vector<float> w;
-  std::unique_ptr<Engine> engine = OneGpuEngine(vocab, 71, &w);
-  ASSERT_NE(engine, nullptr);
+  auto engine = testing_cuda::OneGpuEngine(vocab, kHidden, 71, kRows, &w);
+  ASSERT_TRUE(engine.ok()) << engine.status();
   const std::vector<float> hidden = controls_stats::SparseHidden(vocab);
   const std::vector<double> logits =
       controls_stats::ExactLogits(w, vocab, hidden);
   for (const Case& c : controls_stats::Cases(logits)) {
     controls_stats::ExpectSamplesFollowTheReference(
-        EngineRows(*engine, hidden), logits, {c},
+        EngineRows(**engine, hidden), logits, {c},
         "V = " + std::to_string(vocab));
   }
 }
@@ -80,15 +63,15 @@ TEST_P(ControlsStatsGpuTest, EachControlAndCombinationFollowsTheReference) {
 TEST_P(ControlsStatsGpuTest, RowsWithDifferentControlsInOneBatch) {
   const int64_t vocab = GetParam();
   std::vector<float> w;
-  std::unique_ptr<Engine> engine = OneGpuEngine(vocab, 72, &w);
-  ASSERT_NE(engine, nullptr);
+  auto engine = testing_cuda::OneGpuEngine(vocab, kHidden, 72, kRows, &w);
+  ASSERT_TRUE(engine.ok()) << engine.status();
   const std::vector<float> hidden = controls_stats::SparseHidden(vocab + 1);
   const std::vector<double> logits =
       controls_stats::ExactLogits(w, vocab, hidden);
   const std::vector<Case> mixed = controls_stats::MixedCases(logits);
   ASSERT_EQ(mixed.size(), 5u);
   controls_stats::ExpectSamplesFollowTheReference(
-      EngineRows(*engine, hidden), logits, mixed,
+      EngineRows(**engine, hidden), logits, mixed,
       "V = " + std::to_string(vocab) + ", mixed");
 }
 

@@ -44,6 +44,7 @@ namespace flashsampler {
 namespace {
 
 using testing_cuda::Bf16Weights;
+using testing_cuda::OneGpuEngine;
 using testing_cuda::SmallIntegerWeights;
 using testing_cuda::StageHidden;
 
@@ -166,20 +167,6 @@ void ExpectEngineEqualsCpu(Engine& engine, CpuSampler& cpu,
 class CudaEngineGpuTest : public ::testing::Test {
  protected:
   void SetUp() override { FS_SKIP_WITHOUT_GPU(); }
-
-  // An engine on device 0 over small-integer W (SmallIntegerWeights).
-  static absl::StatusOr<std::unique_ptr<Engine>> OneGpuEngine(
-      int64_t vocab, int hidden, uint64_t seed, int max_batch_rows,
-      std::vector<float>* values) {
-    auto weights = SmallIntegerWeights(vocab, hidden, seed, values);
-    if (weights == nullptr) {
-      return absl::InternalError("small-integer weights did not load");
-    }
-    CudaEngineOptions options;
-    options.devices = {0};
-    options.max_batch_rows = max_batch_rows;
-    return CreateCudaEngine(weights, options);
-  }
 
   // The CPU sampler over the same W: the exact reference.
   static absl::StatusOr<std::unique_ptr<CpuSampler>> CpuReference(

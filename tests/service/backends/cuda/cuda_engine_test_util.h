@@ -1,7 +1,7 @@
 // Helpers of the CUDA engine's GPU tests: bf16 weights written as a
 // safetensors checkpoint and loaded through the real loader, small-integer
-// weights (every logit an exact integer on every backend), and hidden
-// states staged into an engine's slot.
+// weights (every logit an exact integer on every backend) and a one-GPU
+// engine over them, and hidden states staged into an engine's slot.
 #ifndef FLASHSAMPLER_TESTS_SERVICE_BACKENDS_CUDA_CUDA_ENGINE_TEST_UTIL_H_
 #define FLASHSAMPLER_TESTS_SERVICE_BACKENDS_CUDA_CUDA_ENGINE_TEST_UTIL_H_
 
@@ -12,9 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "common/dtype_convert.h"
 #include "gtest/gtest.h"
+#include "service/backends/cuda/cuda_engine.h"
 #include "service/backends/engine.h"
 #include "service/weights/weights.h"
 
@@ -59,6 +62,20 @@ inline std::shared_ptr<const Weights> SmallIntegerWeights(
   return Bf16Weights(
       vocab, hidden, "int" + std::to_string(seed),
       [&] { return static_cast<float>(pick(rng)); }, values);
+}
+
+// An engine on device 0 over small-integer W (SmallIntegerWeights).
+inline absl::StatusOr<std::unique_ptr<Engine>> OneGpuEngine(
+    int64_t vocab, int hidden, uint64_t seed, int max_batch_rows,
+    std::vector<float>* values) {
+  auto weights = SmallIntegerWeights(vocab, hidden, seed, values);
+  if (weights == nullptr) {
+    return absl::InternalError("small-integer weights did not load");
+  }
+  CudaEngineOptions options;
+  options.devices = {0};
+  options.max_batch_rows = max_batch_rows;
+  return CreateCudaEngine(weights, options);
 }
 
 // Copies fp32 hidden states (small integers: exact in bf16) into a slot.
