@@ -32,6 +32,8 @@ ABSL_FLAG(int, max_batch_rows, 256, "largest batch");
 ABSL_FLAG(int, max_shared_memory_regions, 0,
           "shared-memory regions callers may register (0: none)");
 ABSL_FLAG(int, slots, 2, "batches in flight at once");
+ABSL_FLAG(int, sample_threads, flashsampler::ServerOptions().sample_threads,
+          "threads that serve unary Sample() calls, a completion queue each");
 ABSL_FLAG(int, parse_threads, flashsampler::ServerOptions().parse_threads,
           "threads that help parse large row_params (0: the handler alone)");
 ABSL_FLAG(absl::Duration, engine_delay, absl::ZeroDuration(),
@@ -104,6 +106,7 @@ int Main(int argc, char** argv) {
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
   options.parse_threads = absl::GetFlag(FLAGS_parse_threads);
+  options.sample_threads = absl::GetFlag(FLAGS_sample_threads);
   options.max_shared_memory_regions =
       absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.drain_timeout = absl::Seconds(5);

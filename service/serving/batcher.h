@@ -99,8 +99,8 @@ class Batcher {
   // arrive meanwhile queue for the workers as usual.
   absl::Status SubmitOrRun(std::unique_ptr<BatchItem> item);
   // The longest last batch after which SubmitOrRun() still runs inline, so a
-  // caller's thread (gRPC's) is held no longer than about this: above an
-  // H100's kernel at B <= 64 (0.21-0.43 ms), far below the CPU backend at a
+  // caller's thread (a Sample thread) is held no longer than about this: above
+  // an H100's kernel at B <= 64 (0.21-0.43 ms), far below the CPU backend at a
   // real vocabulary.
   static constexpr absl::Duration kInlineMaxExecute = absl::Milliseconds(1);
 

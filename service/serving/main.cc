@@ -62,6 +62,9 @@ ABSL_FLAG(int, max_stream_in_flight, kDefaults.max_stream_in_flight,
 ABSL_FLAG(int, parse_threads, kDefaults.parse_threads,
           "Threads that help parse a request's row_params of 64 KB or more "
           "(0: the gRPC handler alone)");
+ABSL_FLAG(int, sample_threads, kDefaults.sample_threads,
+          "Threads that serve unary Sample() calls, each polling its own gRPC "
+          "completion queue (at least 1)");
 ABSL_FLAG(int, max_shared_memory_regions, kDefaults.max_shared_memory_regions,
           "Shared-memory regions same-host callers may register for their "
           "hidden states (0: none; any object under /dev/shm the daemon can "
@@ -123,6 +126,7 @@ flashsampler::ServerOptions OptionsFromFlags() {
   o.batcher.overlap_min_rows = absl::GetFlag(FLAGS_overlap_min_rows);
   o.max_stream_in_flight = absl::GetFlag(FLAGS_max_stream_in_flight);
   o.parse_threads = absl::GetFlag(FLAGS_parse_threads);
+  o.sample_threads = absl::GetFlag(FLAGS_sample_threads);
   o.max_shared_memory_regions = absl::GetFlag(FLAGS_max_shared_memory_regions);
   o.limits.max_samples_per_row = absl::GetFlag(FLAGS_max_samples_per_row);
   o.limits.max_top_logprobs = absl::GetFlag(FLAGS_max_top_logprobs);

@@ -5,6 +5,7 @@
 // it and every earlier one are ready (one outstanding write at a time).
 #include "service/serving/sampler_service.h"
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -23,7 +24,7 @@ namespace {
 
 constexpr absl::Duration kDrainGrace = absl::Milliseconds(50);
 
-absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
+absl::Time DeadlineOf(const grpc::ServerContextBase* context) {
   const std::chrono::system_clock::time_point deadline = context->deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) {
     return absl::InfiniteFuture();
@@ -147,24 +148,104 @@ void Describe(const DecodedRequest& decoded, absl::Time deadline,
   item->deadline = deadline;
 }
 
-// One unary Sample() in the batcher. Owns the parsed and decoded request
-// and the response message; `response_bytes` stays valid until Finish().
-class UnarySampleCall final : public BatchItem {
+}  // namespace
+
+// One unary Sample() call on a completion queue, from the moment it is
+// asked for until gRPC has returned every event of it; it deletes itself
+// after the last. Events: kArrived (the call came, or, not ok, the server
+// shut down before one did), then kDone (gRPC finished with the call, after
+// the answer or on cancellation) and kAnswered (the answer went out or
+// failed), in either order.
+class UnarySampleCall {
  public:
-  UnarySampleCall(grpc::CallbackServerContext* context,
-                  grpc::ServerUnaryReactor* reactor,
-                  grpc::ByteBuffer* response_bytes, Metrics* metrics,
-                  absl::Time start)
-      : context_(context),
-        reactor_(reactor),
-        response_bytes_(response_bytes),
-        metrics_(metrics),
-        start_(start) {}
+  enum class Event { kArrived, kDone, kAnswered };
+  // What the completion queue hands back: the call and which event it is.
+  struct Tag {
+    UnarySampleCall* call;
+    Event event;
+  };
+
+  grpc::ServerContext* context() { return &context_; }
+  grpc::ByteBuffer* request() { return &request_; }
+  grpc::ByteBuffer* response() { return &response_; }
+  grpc::ServerAsyncResponseWriter<grpc::ByteBuffer>* responder() {
+    return &responder_;
+  }
+  void* tag(Event event) {
+    switch (event) {
+      case Event::kArrived:
+        return &arrived_;
+      case Event::kDone:
+        return &done_;
+      case Event::kAnswered:
+        return &answered_;
+    }
+    return nullptr;
+  }
+  absl::Time start() const { return start_; }
+  absl::Time deadline() const { return DeadlineOf(&context_); }
+  // Valid from any thread: set when kDone reports a cancelled call.
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
+  // Sends the answer: `response()` when `status` is OK. Exactly once per
+  // call that arrived.
+  void Answer(const absl::Status& status) {
+    if (status.ok()) {
+      responder_.Finish(response_, grpc::Status::OK, &answered_);
+    } else {
+      responder_.FinishWithError(ToGrpcStatus(status), &answered_);
+    }
+  }
+
+  // The queue's thread, for each event of this call. Returns true when the
+  // call arrived (the caller then handles it).
+  bool OnEvent(Event event, bool ok) {
+    switch (event) {
+      case Event::kArrived:
+        if (!ok) {  // no call came; no other event will
+          delete this;
+          return false;
+        }
+        start_ = absl::Now();
+        return true;
+      case Event::kDone:
+        // IsCancelled() is valid on the async API only once this event has
+        // been delivered.
+        cancelled_.store(context_.IsCancelled(), std::memory_order_release);
+        break;
+      case Event::kAnswered:
+        break;
+    }
+    if (events_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+    return false;
+  }
+
+ private:
+  grpc::ServerContext context_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
+  grpc::ServerAsyncResponseWriter<grpc::ByteBuffer> responder_{&context_};
+  Tag arrived_{this, Event::kArrived};
+  Tag done_{this, Event::kDone};
+  Tag answered_{this, Event::kAnswered};
+  absl::Time start_;
+  std::atomic<bool> cancelled_{false};
+  std::atomic<int> events_left_{2};  // kDone and kAnswered
+};
+
+namespace {
+
+// One unary Sample() in the batcher: the parsed and decoded request and the
+// response message. The call it answers outlives it.
+class QueuedSample final : public BatchItem {
+ public:
+  QueuedSample(UnarySampleCall* call, Metrics* metrics)
+      : call_(call), metrics_(metrics) {}
 
   WireRequest* wire() { return &wire_; }
   DecodedRequest* decoded() { return &decoded_; }
 
-  bool IsCancelled() const override { return context_->IsCancelled(); }
+  bool IsCancelled() const override { return call_->cancelled(); }
 
   void Done(const absl::Status& status, std::vector<RowResult> results,
             const BatchTiming& timing) override {
@@ -175,21 +256,17 @@ class UnarySampleCall final : public BatchItem {
     }
     if (s.ok()) {
       SetTiming(timing, &response_);
-      s = SerializeResponse(response_, response_bytes_);
+      s = SerializeResponse(response_, call_->response());
     }
     metrics_->ObserveEncode(SecondsSince(answered));
-    metrics_->ObserveRequest(kRpcSample, s.code(), SecondsSince(start_));
-    reactor_->Finish(ToGrpcStatus(s));
+    metrics_->ObserveRequest(kRpcSample, s.code(),
+                             SecondsSince(call_->start()));
+    call_->Answer(s);
   }
 
  private:
-  grpc::CallbackServerContext* const context_;
-  // Kept rather than asked again: DefaultReactor() constructs the reactor
-  // anew on every call, which would unbind it from the RPC.
-  grpc::ServerUnaryReactor* const reactor_;
-  grpc::ByteBuffer* const response_bytes_;
+  UnarySampleCall* const call_;
   Metrics* const metrics_;
-  const absl::Time start_;
   WireRequest wire_;
   v1::SampleResponse response_;
   DecodedRequest decoded_;
@@ -485,47 +562,111 @@ class SampleStreamReactor final
 SamplerService::SamplerService(Batcher* batcher, Metrics* metrics,
                                CodecConfig codec, v1::ModelInfo model_info,
                                int max_stream_in_flight, int parse_threads,
+                               int sample_threads,
                                SharedMemoryRegistry* shared_memory)
     : batcher_(batcher),
       metrics_(metrics),
       codec_(std::move(codec)),
       model_info_(std::move(model_info)),
       max_stream_in_flight_(std::max(1, max_stream_in_flight)),
+      sample_threads_(sample_threads),
       shared_memory_(shared_memory),
       parse_pool_(parse_threads) {}
 
 SamplerService::~SamplerService() {
+  StopSampleThreads();
   // Server::Stop destroys the service after gRPC's shutdown has ended every
   // stream. Taking mu_ orders this thread after the last StreamDone (gRPC
   // makes that hand-off in code ThreadSanitizer cannot see).
   absl::MutexLock lock(&mu_);
 }
 
-grpc::ServerUnaryReactor* SamplerService::Sample(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
-    grpc::ByteBuffer* response) {
-  const absl::Time start = absl::Now();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto call = std::make_unique<UnarySampleCall>(context, reactor, response,
-                                                metrics_, start);
+void SamplerService::AddCompletionQueues(grpc::ServerBuilder* builder) {
+  for (int i = 0; i < sample_threads_; ++i) {
+    auto queue = std::make_unique<SampleQueue>();
+    queue->cq = builder->AddCompletionQueue();
+    sample_queues_.push_back(std::move(queue));
+  }
+}
+
+void SamplerService::StartSampleThreads() {
+  for (const std::unique_ptr<SampleQueue>& queue : sample_queues_) {
+    ListenForSample(queue.get());
+    queue->thread =
+        std::thread([this, q = queue.get()] { PollSampleQueue(q); });
+  }
+}
+
+void SamplerService::StopSampleThreads() {
+  if (sample_threads_stopped_) return;
+  sample_threads_stopped_ = true;
+  for (const std::unique_ptr<SampleQueue>& queue : sample_queues_) {
+    {
+      absl::MutexLock lock(&queue->mu);
+      queue->shut_down = true;
+    }
+    queue->cq->Shutdown();
+  }
+  for (const std::unique_ptr<SampleQueue>& queue : sample_queues_) {
+    if (queue->thread.joinable()) {
+      queue->thread.join();
+    } else {
+      PollSampleQueue(queue.get());  // never started: drains it here
+    }
+  }
+}
+
+void SamplerService::ListenForSample(SampleQueue* queue) {
+  absl::MutexLock lock(&queue->mu);
+  if (queue->shut_down) return;
+  auto* call = new UnarySampleCall();
+  using Event = UnarySampleCall::Event;
+  call->context()->AsyncNotifyWhenDone(call->tag(Event::kDone));
+  RequestSample(call->context(), call->request(), call->responder(),
+                queue->cq.get(), queue->cq.get(), call->tag(Event::kArrived));
+}
+
+void SamplerService::PollSampleQueue(SampleQueue* queue) {
+  void* tag = nullptr;
+  bool ok = false;
+  while (queue->cq->Next(&tag, &ok)) {
+    auto* event = static_cast<UnarySampleCall::Tag*>(tag);
+    UnarySampleCall* call = event->call;
+    if (call->OnEvent(event->event, ok)) {
+      // One call asked for at a time, and the next only once this one is in
+      // the batcher or answered: gRPC gives a connection's calls to one
+      // queue first and to the others only when it has none asked for, so
+      // that a thread that runs a batch itself would otherwise hold the
+      // calls that arrive meanwhile. Four callers of 64 rows on one
+      // connection: 1,404 requests/s with 16 calls asked for ahead against
+      // 2,132 on gRPC's callback API (H100); one at a time, as many as
+      // there.
+      HandleSample(call);
+      ListenForSample(queue);
+    }
+  }
+}
+
+void SamplerService::HandleSample(UnarySampleCall* call) {
+  auto item = std::make_unique<QueuedSample>(call, metrics_);
   absl::Status status;
-  if (!ParseWireRequest(*request, &parse_pool_, call->wire())) {
+  if (!ParseWireRequest(*call->request(), &parse_pool_, item->wire())) {
     status = absl::InvalidArgumentError(kNotARequest);
   } else {
     status =
-        DecodeWireRequest(*call->wire(), codec_, &parse_pool_, call->decoded());
+        DecodeWireRequest(*item->wire(), codec_, &parse_pool_, item->decoded());
   }
   if (status.ok()) {
-    metrics_->ObserveDecode(SecondsSince(start));
-    Describe(*call->decoded(), DeadlineOf(context), call.get());
-    // An idle engine runs the batch right here, and Done() finishes the
-    // reactor before this returns; else a batcher thread finishes it.
-    status = batcher_->SubmitOrRun(std::move(call));
-    if (status.ok()) return reactor;
+    metrics_->ObserveDecode(SecondsSince(call->start()));
+    Describe(*item->decoded(), call->deadline(), item.get());
+    // An idle engine runs the batch right here, and Done() answers the call
+    // before this returns; else a batcher thread answers it.
+    status = batcher_->SubmitOrRun(std::move(item));
+    if (status.ok()) return;
   }
-  metrics_->ObserveRequest(kRpcSample, status.code(), SecondsSince(start));
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  metrics_->ObserveRequest(kRpcSample, status.code(),
+                           SecondsSince(call->start()));
+  call->Answer(status);
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*

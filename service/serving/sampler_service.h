@@ -1,18 +1,22 @@
-// flashsampler.v1.Sampler on gRPC's callback API. Handlers validate the
-// request (a unary request's large row_params with the parse pool's help),
-// hand it to the batcher and return; batcher threads finish the
-// reactors, except that unary Sample runs its batch in the handler when the
-// engine is idle and fast (Batcher::SubmitOrRun: at most one such batch, of
-// under about a millisecond, holds a gRPC thread at a time). SampleStream
-// answers one response per request, in order, with at most max_stream_in_flight
-// requests of a stream in flight. Sample and SampleStream take raw bytes and
-// parse them here: gRPC's typed handlers answer an unparsable unary request
+// flashsampler.v1.Sampler. Unary Sample is served on gRPC's async API, by
+// sample_threads threads that each poll their own completion queue; the
+// other methods on gRPC's callback API. Handlers validate the request (a
+// large row_params with the parse pool's help), hand it to the batcher and
+// return; batcher threads finish the calls, except that unary Sample runs its
+// batch on the polling thread when the engine is idle and fast
+// (Batcher::SubmitOrRun: at most one such batch, of under about a
+// millisecond, holds a polling thread at a time). SampleStream answers one
+// response per request, in order, with at most max_stream_in_flight requests
+// of a stream in flight. Sample and SampleStream take raw bytes and parse
+// them here: gRPC's typed handlers answer an unparsable unary request
 // UNIMPLEMENTED with no message and end a stream OK at an unparsable message,
 // dropping it unanswered.
 #ifndef FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
 #define FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
 
+#include <memory>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -20,6 +24,7 @@
 #include "common/thread_pool.h"
 #include "flashsampler/v1/sampler.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/server_builder.h"
 #include "service/serving/batcher.h"
 #include "service/serving/metrics.h"
 #include "service/serving/request_codec.h"
@@ -28,10 +33,11 @@
 namespace flashsampler {
 
 class SampleStreamReactor;
+class UnarySampleCall;
 
-// Sample and SampleStream as raw (ByteBuffer) callback methods, the others
-// typed.
-using SamplerServiceBase = v1::Sampler::WithRawCallbackMethod_Sample<
+// Sample as a raw (ByteBuffer) async method, SampleStream as a raw callback
+// method, the others typed callback methods.
+using SamplerServiceBase = v1::Sampler::WithRawMethod_Sample<
     v1::Sampler::WithRawCallbackMethod_SampleStream<
         v1::Sampler::WithCallbackMethod_GetModelInfo<
             v1::Sampler::WithCallbackMethod_RegisterSharedMemory<
@@ -44,18 +50,25 @@ class SamplerService final : public SamplerServiceBase {
   // shared memory) must outlive the service. `model_info` is what
   // GetModelInfo returns.
   // `parse_threads` help handlers parse large row_params (Sample and
-  // SampleStream; ServerOptions::parse_threads).
+  // SampleStream; ServerOptions::parse_threads). `sample_threads` poll the
+  // completion queues of unary Sample (ServerOptions::sample_threads).
   SamplerService(Batcher* batcher, Metrics* metrics, CodecConfig codec,
                  v1::ModelInfo model_info, int max_stream_in_flight,
-                 int parse_threads,
+                 int parse_threads, int sample_threads,
                  SharedMemoryRegistry* shared_memory = nullptr);
-  ~SamplerService() override;
+  ~SamplerService() override;  // StopSampleThreads()
 
+  // Unary Sample's lifecycle around the gRPC server's:
+  //   AddCompletionQueues(&builder) before builder.BuildAndStart();
+  //   StartSampleThreads() once the server has started;
+  //   StopSampleThreads() once the server has shut down and the batcher has
+  //   stopped (no call can be answered any more); it drains the queues and
+  //   joins the threads. Also right after a failed BuildAndStart().
   // A request that does not parse is INVALID_ARGUMENT "request is not a
   // valid flashsampler.v1.SampleRequest", counted like any other answer.
-  grpc::ServerUnaryReactor* Sample(grpc::CallbackServerContext* context,
-                                   const grpc::ByteBuffer* request,
-                                   grpc::ByteBuffer* response) override;
+  void AddCompletionQueues(grpc::ServerBuilder* builder);
+  void StartSampleThreads();
+  void StopSampleThreads();
   // A message that does not parse ends the stream with INVALID_ARGUMENT
   // naming it ("frame N", 0-based) once every earlier request is answered.
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* SampleStream(
@@ -81,6 +94,25 @@ class SamplerService final : public SamplerServiceBase {
 
  private:
   friend class SampleStreamReactor;
+  friend class UnarySampleCall;
+
+  // One completion queue of unary Sample and the thread that polls it.
+  struct SampleQueue {
+    std::unique_ptr<grpc::ServerCompletionQueue> cq;
+    std::thread thread;
+    // Held while asking the queue for a call, so that no call is asked for
+    // on a queue that has been shut down (gRPC aborts on that).
+    absl::Mutex mu;
+    bool shut_down ABSL_GUARDED_BY(mu) = false;
+  };
+
+  // Asks `queue` for the next unary Sample call (no-op once shut down).
+  void ListenForSample(SampleQueue* queue);
+  // A call that arrived: decodes it and hands it to the batcher, or answers
+  // it at once.
+  void HandleSample(UnarySampleCall* call);
+  // The polling thread: one queue's events until it is shut down and empty.
+  void PollSampleQueue(SampleQueue* queue);
 
   // Streams register while open so BeginDrain() can reach them; returns
   // false when draining has begun (the stream must end at once).
@@ -94,8 +126,11 @@ class SamplerService final : public SamplerServiceBase {
   const CodecConfig codec_;
   const v1::ModelInfo model_info_;
   const int max_stream_in_flight_;
+  const int sample_threads_;
   SharedMemoryRegistry* const shared_memory_;
   ThreadPool parse_pool_;
+  std::vector<std::unique_ptr<SampleQueue>> sample_queues_;
+  bool sample_threads_stopped_ = false;
 
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

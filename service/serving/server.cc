@@ -49,6 +49,8 @@ constexpr char kServiceName[] = "flashsampler.v1.Sampler";
 // Bounds --max_shared_memory_regions: each region is a mapping and a map
 // entry, and a caller needs one or a few.
 constexpr int kMaxSharedMemoryRegions = 65536;
+// ServerOptions::sample_threads' bound: far above any host's cores.
+constexpr int kMaxSampleThreads = 256;
 
 // A TLS file's contents, or an error naming the flag, the path and what is
 // wrong (missing, a directory, unreadable, empty).
@@ -374,6 +376,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::CreateImpl(
         "max_shared_memory_regions: must be in [0, ", kMaxSharedMemoryRegions,
         "], got ", options.max_shared_memory_regions));
   }
+  if (options.sample_threads < 1 ||
+      options.sample_threads > kMaxSampleThreads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sample_threads: must be in [1, ", kMaxSampleThreads,
+                     "], got ", options.sample_threads));
+  }
   if (options.unix_socket.size() >= sizeof(sockaddr_un::sun_path)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unix_socket: the path must be shorter than ",
@@ -442,7 +450,7 @@ Server::Server(const ServerOptions& options,
   service_ = std::make_unique<SamplerService>(
       batcher_.get(), metrics_.get(), std::move(codec), model_,
       options_.max_stream_in_flight, options_.parse_threads,
-      shared_memory_.get());
+      options_.sample_threads, shared_memory_.get());
 
   metrics_->SetWeightsInfo(info.vocab_size, info.hidden_size,
                            DTypeName(info.weight_dtype),
@@ -574,6 +582,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
                              credentials, &unix_bound);
   }
   builder.RegisterService(service_.get());
+  service_->AddCompletionQueues(&builder);
   builder.SetMaxReceiveMessageSize(max_receive_bytes_);
   // Without this, Linux gRPC sets SO_REUSEPORT and a second daemon on the
   // same port would silently share it instead of failing.
@@ -593,7 +602,12 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> Server::StartGrpc() {
   // the first that does not bind, leaving the later ones at 0.
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   const bool unix_failed = !options_.unix_socket.empty() && unix_bound == 0;
-  if (server != nullptr && port_ != 0 && !unix_failed) return server;
+  if (server != nullptr && port_ != 0 && !unix_failed) {
+    service_->StartSampleThreads();
+    return server;
+  }
+  if (server != nullptr) server->Shutdown();
+  service_->StopSampleThreads();
   if (port_ != 0 && unix_failed) {
     port_ = 0;  // nothing listens
     return absl::UnavailableError(absl::StrCat(
@@ -680,7 +694,10 @@ void Server::Stop() {
   // finish, and a batcher thread may need health_mu_ (OnFatal).
   if (server != nullptr) server->Shutdown(absl::ToChronoTime(deadline));  // 4
   batcher_->Stop();                                                       // 5
-  metrics_http_.reset();                                                  // 6
+  // Only now: a batcher thread may answer a unary call until Stop() joins it,
+  // and an answer needs its completion queue.
+  if (service_ != nullptr) service_->StopSampleThreads();
+  metrics_http_.reset();  // 6
   {
     absl::MutexLock lock(&health_mu_);
     grpc_server_.reset();

@@ -29,7 +29,8 @@
 //        deadline. The batcher's workers still run here, so every reactor
 //        gets finished and Shutdown cannot hang on our own calls.
 //     5. stop the batcher (join its workers; anything queued after a timeout
-//        is answered CANCELLED by then).
+//        is answered CANCELLED by then), then unary Sample's threads (a
+//        batcher thread's answer goes out through their completion queues).
 //     6. stop the metrics endpoint, then tear the engine down (device
 //        buffers, streams, NCCL) and release the weights, in that order
 //        because the engine reads the weights.

@@ -263,6 +263,36 @@ TEST(ServerTest, FullQueueIsResourceExhausted) {
   }
 }
 
+TEST(ServerTest, ACallIsNotHeldBehindABatchItsSampleThreadRuns) {
+  // The first call finds the engine idle, so the sample thread that took it
+  // runs its batch (Batcher::SubmitOrRun), held at the gate. Later calls on
+  // the same connection must reach the other thread: gRPC hands a
+  // connection's calls to one completion queue first.
+  ServerOptions options = TestServerOptions();
+  options.sample_threads = 2;
+  FakeServer f = Start(options);
+  // A quick batch first: the batcher runs a call on its own thread only
+  // after one that took under Batcher::kInlineMaxExecute.
+  v1::SampleResponse quick;
+  ASSERT_TRUE(Call(f, MakeRequest(1, kHidden, 1), &quick).ok());
+  f.state->CloseGate();
+  auto running = SampleAsync(f.stub.get(), MakeRequest(1, kHidden, 1));
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  v1::SampleRequest refused = MakeRequest(1, kHidden, 2);
+  refused.mutable_params()->set_top_p(2.0f);
+  for (int i = 0; i < 8; ++i) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    v1::SampleResponse response;
+    EXPECT_EQ(f.stub->Sample(&context, refused, &response).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT)
+        << "call " << i;
+  }
+  f.state->OpenGate();
+  running->Join();
+  EXPECT_TRUE(running->status.ok()) << running->status.error_message();
+}
+
 TEST(ServerTest, ShutdownAnswersEveryAcceptedRequestAndRefusesLaterOnes) {
   FakeServer f = Start();
   f.state->CloseGate();
@@ -573,6 +603,18 @@ TEST(ServerTest, BatcherOptionsOutOfRangeAreRefusedNamingTheField) {
     EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StrContains(server.status().message(), c.field))
         << server.status();
+  }
+}
+
+TEST(ServerTest, SampleThreadsOutOfRangeAreRefusedNamingTheField) {
+  for (int threads : {0, -1, 257}) {
+    ServerOptions options = TestServerOptions();
+    options.sample_threads = threads;
+    auto server = CreateOnFakeEngine(options);
+    ASSERT_FALSE(server.ok()) << threads;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(server.status().message()),
+                StartsWith("sample_threads: "));
   }
 }
 
