@@ -114,15 +114,21 @@ namespace {
 // all-ones exponent: Inf or NaN). No early exit, so the compiler vectorizes
 // it: a loop that stopped at the first bad element ran element by element,
 // 19% of the daemon's CPU on 256-row bf16 requests. memcpy reads words at
-// any alignment (request bytes sit in gRPC's slices at odd offsets).
+// any alignment (request bytes sit in gRPC's slices at odd offsets). The
+// flags gather in a Word, so that the compares stay as wide as the words,
+// and an AVX2 clone runs where the CPU has one (the loader picks it; the
+// build targets baseline x86-64): 2 MB of bf16 in 99 us against 197 with
+// SSE2 and an unsigned gather, a development host's core, where it was a
+// fifth of the daemon's CPU serving 256-row requests.
 template <typename Word>
-bool NoExponentAllOnes(const void* data, size_t count, Word mask) {
+__attribute__((target_clones("avx2", "default"))) bool NoExponentAllOnes(
+    const void* data, size_t count, Word mask) {
   const char* bytes = static_cast<const char*>(data);
-  unsigned bad = 0;
+  Word bad = 0;
   for (size_t i = 0; i < count; ++i) {
     Word word;
     std::memcpy(&word, bytes + i * sizeof(Word), sizeof(Word));
-    bad |= static_cast<unsigned>((word & mask) == mask);
+    bad |= static_cast<Word>((word & mask) == mask);
   }
   return bad == 0;
 }
