@@ -110,6 +110,20 @@ void ConvertDType(DType src_dtype, const void* src, size_t count,
 
 namespace {
 
+// A function with an AVX2 clone beside the baseline one, chosen when the
+// program loads. Not under ThreadSanitizer: the clone's resolver runs
+// before TSan's runtime is up, and the program crashes at start.
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define FS_THREAD_SANITIZER 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__) || defined(FS_THREAD_SANITIZER)
+#define FS_AVX2_CLONE
+#else
+#define FS_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+#endif
+
 // True when none of `count` words at `data` has every bit of `mask` set (an
 // all-ones exponent: Inf or NaN). No early exit, so the compiler vectorizes
 // it: a loop that stopped at the first bad element ran element by element,
@@ -121,8 +135,8 @@ namespace {
 // SSE2 and an unsigned gather, a development host's core, where it was a
 // fifth of the daemon's CPU serving 256-row requests.
 template <typename Word>
-__attribute__((target_clones("avx2", "default"))) bool NoExponentAllOnes(
-    const void* data, size_t count, Word mask) {
+FS_AVX2_CLONE bool NoExponentAllOnes(const void* data, size_t count,
+                                     Word mask) {
   const char* bytes = static_cast<const char*>(data);
   Word bad = 0;
   for (size_t i = 0; i < count; ++i) {

@@ -33,10 +33,13 @@ for kind in "${kinds[@]}"; do
   cmake -S . -B "$dir" -DFS_CUDA=OFF -DFS_WERROR=OFF \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFS_SANITIZE="$sanitize" "${launcher[@]}"
   cmake --build "$dir" -j"$jobs"
-  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1"
+  # handle_sigbus=0: the daemon handles SIGBUS itself (a shared-memory copy
+  # that faults fails its request; any other SIGBUS must still kill it, as
+  # shared_memory_test checks), and a sanitizer's handler would take it.
+  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1:handle_sigbus=0"
   export LSAN_OPTIONS="suppressions=$root/scripts/sanitizers/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-  export TSAN_OPTIONS="suppressions=$root/scripts/sanitizers/tsan.supp:halt_on_error=1:second_deadlock_stack=1"
+  export TSAN_OPTIONS="suppressions=$root/scripts/sanitizers/tsan.supp:halt_on_error=1:second_deadlock_stack=1:handle_sigbus=0"
   echo "== $kind: ctest -L '$labels'"
   if ! ctest --test-dir "$dir" -L "$labels" -j"$jobs" --output-on-failure; then
     status=1
