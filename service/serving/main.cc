@@ -61,10 +61,10 @@ ABSL_FLAG(int, max_stream_in_flight, kDefaults.max_stream_in_flight,
           "Requests of one SampleStream accepted but not yet answered");
 ABSL_FLAG(int, parse_threads, kDefaults.parse_threads,
           "Threads that help parse a request's row_params of 64 KB or more "
-          "(0: the gRPC handler alone)");
+          "(0: the handler's thread alone)");
 ABSL_FLAG(int, sample_threads, kDefaults.sample_threads,
           "Threads that serve unary Sample() calls, each polling its own gRPC "
-          "completion queue (at least 1)");
+          "completion queue (1 to 256)");
 ABSL_FLAG(int, max_shared_memory_regions, kDefaults.max_shared_memory_regions,
           "Shared-memory regions same-host callers may register for their "
           "hidden states (0: none; any object under /dev/shm the daemon can "
