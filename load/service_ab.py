@@ -35,7 +35,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import service_bench as sb  # noqa: E402  (the same scrape and /proc reads)
+import service_bench as sb  # noqa: E402  (the same environment, scrape and reads)
 
 
 def parse_variant(text):
@@ -91,8 +91,7 @@ def main():
     try:
         for name, command, extra_env in args.variant:
             port, metrics_port = sb.free_port(), sb.free_port()
-            env = dict(os.environ, NCCL_NVLS_ENABLE="0",
-                       NVSHMEM_DISABLE_NVLS="1", **extra_env)
+            env = sb.daemon_env(extra_env)
             log = open(os.path.join(args.out, f"{name}.log"), "w")
             process = subprocess.Popen(
                 command + [f"--listen_address=127.0.0.1:{port}",
@@ -116,7 +115,7 @@ def main():
                     label = f"{callers}x{rows}-r{round_}-{name}"
                     command = [args.load, f"--target=127.0.0.1:{port}",
                                f"--concurrency={callers}", f"--rows={rows}",
-                               f"--channels={min(8, max(1, callers // 8))}",
+                               f"--channels={sb.load_channels(callers)}",
                                f"--duration={args.duration}",
                                f"--warmup={args.warmup}",
                                f"--summary_csv={summary}", f"--label={label}",

@@ -102,6 +102,22 @@ HISTOGRAMS = ("flashsampler_queue_wait_seconds",
               "flashsampler_response_encode_seconds")
 
 
+def daemon_env(extra=None):
+    """This environment plus `extra` for a daemon, with NVLink multicast
+    off for every library that would use it (`extra` cannot turn it on)."""
+    env = dict(os.environ, **(extra or {}))
+    env.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    return env
+
+
+def load_channels(callers):
+    """fs_load's --channels for `callers`: one connection per 8 callers (at
+    most 8), since one HTTP/2 connection tops out near 17k small calls/s,
+    below the daemon."""
+    return min(8, max(1, callers // 8))
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -298,8 +314,7 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     port, metrics_port = free_port(), free_port()
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1",
-               TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    env = daemon_env()
     log = open(os.path.join(args.out, "daemon.log"), "w")
     command = [args.daemon, f"--listen_address=127.0.0.1:{port}",
                f"--metrics_port={metrics_port}", "--metrics_address=127.0.0.1"]
@@ -355,10 +370,8 @@ def main():
                        f"--label={label}", "--timeout=30s", "--retries=1"]
             command.append(f"--concurrency={amount}" if mode == "closed" else
                            f"--rate={amount}")
-            # One connection per 8 callers (at most 8): one HTTP/2
-            # connection tops out near 17k small calls/s, below the daemon.
             callers = amount if mode == "closed" else 64
-            command.append(f"--channels={min(8, max(1, callers // 8))}")
+            command.append(f"--channels={load_channels(callers)}")
             command += load_args
             before = scrape(metrics_port)
             usage_before = process_usage(daemon.pid)

@@ -94,7 +94,6 @@ class SamplerService final : public SamplerServiceBase {
 
  private:
   friend class SampleStreamReactor;
-  friend class UnarySampleCall;
 
   // One completion queue of unary Sample and the thread that polls it.
   struct SampleQueue {
