@@ -147,7 +147,40 @@ FS_AVX2_CLONE bool NoExponentAllOnes(const void* data, size_t count,
   return bad == 0;
 }
 
+// NoExponentAllOnes over the words copied from `src` to `dst`: each word is
+// checked in the register it is stored from, so that the bytes are read
+// once and what lands in `dst` is what was checked. 2 MB of bf16 from gRPC-
+// sized pieces in 212-235 us against 297-343 for a copy of each 64 KB and a
+// check of it in cache, and 323-330 for a check and then a copy (a
+// development host's core; a plain copy alone took 190-213).
+template <typename Word>
+FS_AVX2_CLONE bool CopyNoExponentAllOnes(const void* src, size_t count,
+                                         Word mask, void* dst) {
+  const char* in = static_cast<const char*>(src);
+  char* out = static_cast<char*>(dst);
+  Word bad = 0;
+  for (size_t i = 0; i < count; ++i) {
+    Word word;
+    std::memcpy(&word, in + i * sizeof(Word), sizeof(Word));
+    bad |= static_cast<Word>((word & mask) == mask);
+    std::memcpy(out + i * sizeof(Word), &word, sizeof(Word));
+  }
+  return bad == 0;
+}
+
 }  // namespace
+
+bool CopyFinite(DType dtype, const void* src, size_t count, void* dst) {
+  switch (dtype) {
+    case DType::kBf16:
+      return CopyNoExponentAllOnes<uint16_t>(src, count, 0x7f80u, dst);
+    case DType::kFp16:
+      return CopyNoExponentAllOnes<uint16_t>(src, count, 0x7c00u, dst);
+    case DType::kFp32:
+      return CopyNoExponentAllOnes<uint32_t>(src, count, 0x7f800000u, dst);
+  }
+  return false;
+}
 
 bool AllFinite(DType dtype, const void* data, size_t count) {
   switch (dtype) {

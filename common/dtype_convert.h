@@ -24,6 +24,12 @@ void ConvertDType(DType src_dtype, const void* src, size_t count,
 // sit at any alignment.
 bool AllFinite(DType dtype, const void* data, size_t count);
 
+// Copies `count` elements of `dtype` from `src` to `dst` (any alignment; the
+// buffers must not overlap) and returns AllFinite of them: each element is
+// checked as it is copied, so the bytes are read once and what lands in
+// `dst` is what was checked (a writer of `src` cannot slip a NaN past it).
+bool CopyFinite(DType dtype, const void* src, size_t count, void* dst);
+
 }  // namespace flashsampler
 
 #endif  // FLASHSAMPLER_COMMON_DTYPE_CONVERT_H_

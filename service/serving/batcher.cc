@@ -4,13 +4,13 @@
 #include "service/serving/batcher.h"
 
 #include <algorithm>
-#include <cstring>
 #include <iterator>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype_convert.h"
+#include "service/serving/request_wire.h"
 #include "service/serving/shared_memory.h"
 
 namespace flashsampler {
@@ -391,19 +391,18 @@ std::vector<Batcher::Completion> Batcher::RunBatch(
       ConvertDType(item->dtype, item->hidden,
                    static_cast<size_t>(item->rows) * info.hidden_size,
                    info.input_dtype, to);
-    } else if (item->shared_hidden != nullptr) {
-      if (absl::Status s = CopyFiniteRows(info.input_dtype, item->shared_hidden,
-                                          item->rows, info.hidden_size, to);
-          !s.ok()) {
+    } else {
+      absl::Status copied =
+          item->shared_hidden != nullptr
+              ? CopyFiniteRows(info.input_dtype, item->shared_hidden,
+                               item->rows, info.hidden_size, to)
+              : CopyFinitePieces(info.input_dtype, *item->hidden_pieces,
+                                 info.hidden_size, to);
+      if (!copied.ok()) {
         BatchTiming timing;
         timing.queue_seconds = Seconds(launch - item->enqueued_);
-        done.push_back({std::move(item), std::move(s), {}, timing});
+        done.push_back({std::move(item), std::move(copied), {}, timing});
         continue;
-      }
-    } else {
-      for (absl::string_view piece : *item->hidden_pieces) {
-        std::memcpy(to, piece.data(), piece.size());
-        to += piece.size();
       }
     }
     specs.insert(specs.end(), item->specs, item->specs + item->rows);

@@ -55,7 +55,8 @@ class BatchItem {
   DType dtype = DType::kFp32;    // dtype of `hidden`
   const void* hidden = nullptr;  // rows x D elements
   // When `hidden` is null: the rows' bytes in order, in the engine's input
-  // dtype, left in the transport's buffers (copied once, into the batch).
+  // dtype, left in the transport's buffers, copied once into the batch and
+  // checked there (CopyFinitePieces); a failure fails this item alone.
   const std::vector<absl::string_view>* hidden_pieces = nullptr;
   // When `hidden` is null and this is set: the rows' bytes, in the engine's
   // input dtype, in a caller's shared-memory mapping, copied into the batch

@@ -307,6 +307,15 @@ absl::Status Decode(const v1::SampleRequest& request,
       }
       contiguous = out->shared_copy.get();
     }
+  } else if (*dtype == config.input_dtype && config.rows_checked_when_copied) {
+    // Checked as the batch copies them (CopyFinitePieces), in cache.
+    if (data != nullptr) {
+      out->hidden_pieces = *data;
+    } else {
+      out->hidden_pieces.push_back(tensor.data());
+    }
+    contiguous = nullptr;
+    checked_at_launch = true;
   } else if (data != nullptr) {
     // A conversion reads whole elements, so a piece it reads in place must
     // be aligned to one.

@@ -38,6 +38,11 @@ struct CodecConfig {
   const SharedMemoryRegistry* shared_memory = nullptr;
   // EngineInfo::supported_controls.
   std::vector<std::string> supported_controls;
+  // True where the decoded request goes to a Batcher, which checks the rows
+  // as it copies them into the batch (CopyFinitePieces): rows already in
+  // input_dtype are then left unchecked here, as DecodedRequest's
+  // hidden_pieces (a 2 MB request's bytes are read once instead of twice).
+  bool rows_checked_when_copied = false;
 };
 
 // A validated request. `hidden` and the params' allowed bitmasks point into
@@ -48,8 +53,9 @@ struct DecodedRequest {
   DType dtype = DType::kFp32;    // dtype of `hidden` on the wire
   const void* hidden = nullptr;  // rows x D elements of dtype
   // Set instead of `hidden` when the request's data came in pieces
-  // (DecodeSampleRequest with `data`) and needs no conversion: the rows'
-  // bytes, in order, already in config.input_dtype.
+  // (DecodeSampleRequest with `data`) and needs no conversion, or when
+  // config.rows_checked_when_copied leaves the check of rows that need none
+  // to the batch: the rows' bytes, in order, already in config.input_dtype.
   std::vector<absl::string_view> hidden_pieces;
   // The pieces gathered, when they must be converted: `hidden` points here.
   std::string gathered;

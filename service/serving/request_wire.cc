@@ -6,9 +6,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "common/dtype_convert.h"
+#include "common/field_violation.h"
 #include "google/protobuf/io/zero_copy_stream_impl.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
@@ -251,6 +255,50 @@ bool ParseSplitRequest(const SplitRequest& split, ThreadPool* pool,
   });
   return std::all_of(parsed.get(), parsed.get() + rows,
                      [](bool ok) { return ok; });
+}
+
+absl::Status CopyFinitePieces(DType dtype,
+                              const std::vector<absl::string_view>& pieces,
+                              int64_t hidden, char* dst) {
+  const size_t element = DTypeSize(dtype);
+  const size_t row_bytes = static_cast<size_t>(hidden) * element;
+  const auto non_finite = [row_bytes](size_t offset) {
+    return FieldViolationError(
+        "hidden_states.data",
+        absl::StrCat("must be finite, row ", offset / row_bytes,
+                     " holds NaN or Inf"));
+  };
+  size_t copied = 0;  // bytes of dst written, in order
+  for (absl::string_view piece : pieces) {
+    size_t at = 0;
+    // An element split between this piece and the last: its bytes are put
+    // together in dst and checked there.
+    if (const size_t partial = copied % element; partial != 0) {
+      const size_t take = std::min(element - partial, piece.size());
+      std::memcpy(dst + copied, piece.data(), take);
+      copied += take;
+      at = take;
+      if (copied % element == 0 &&
+          !AllFinite(dtype, dst + copied - element, 1)) {
+        return non_finite(copied - element);
+      }
+    }
+    // Whole elements, copied and checked up to each row's end so that a
+    // failure names its row.
+    while (piece.size() - at >= element) {
+      const size_t row_end = (copied / row_bytes + 1) * row_bytes;
+      const size_t count =
+          std::min((piece.size() - at) / element, (row_end - copied) / element);
+      if (!CopyFinite(dtype, piece.data() + at, count, dst + copied)) {
+        return non_finite(copied);
+      }
+      copied += count * element;
+      at += count * element;
+    }
+    std::memcpy(dst + copied, piece.data() + at, piece.size() - at);
+    copied += piece.size() - at;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace flashsampler

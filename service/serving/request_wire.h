@@ -2,7 +2,8 @@
 // bytes: the message minus hidden_states.data is parsed by protobuf straight
 // from the transport's pieces, its row_params on several threads, and the
 // data's bytes are left where the transport put them, as pieces, to be
-// validated there and copied once, straight into the batch's input.
+// copied once, straight into the batch's input, and checked there
+// (CopyFinitePieces).
 #ifndef FLASHSAMPLER_SERVICE_SERVING_REQUEST_WIRE_H_
 #define FLASHSAMPLER_SERVICE_SERVING_REQUEST_WIRE_H_
 
@@ -10,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/dtype.h"
 #include "common/thread_pool.h"
 #include "flashsampler/v1/sampler.pb.h"
 #include "google/protobuf/message_lite.h"
@@ -75,6 +78,16 @@ inline bool RowsWorthAPool(const SplitRequest& split) {
 // False when the bytes are not a valid SampleRequest.
 bool ParseSplitRequest(const SplitRequest& split, ThreadPool* pool,
                        v1::SampleRequest* request);
+
+// Copies the rows whose bytes are `pieces`, in order (rows of `hidden`
+// elements of `dtype`, as many as the pieces hold), to `dst`, checking each
+// element as it is copied (CopyFinite): the transport's bytes are read once,
+// where a check before the copy read them twice. INVALID_ARGUMENT
+// "hidden_states.data: must be finite, row r holds NaN or Inf" names the
+// first row that is not; the rows before it are copied, the rest may not be.
+absl::Status CopyFinitePieces(DType dtype,
+                              const std::vector<absl::string_view>& pieces,
+                              int64_t hidden, char* dst);
 
 }  // namespace flashsampler
 

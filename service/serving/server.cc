@@ -418,6 +418,7 @@ Server::Server(const ServerOptions& options,
   codec.limits = options_.limits;
   codec.backend = info.backend;
   codec.supported_controls = info.supported_controls;
+  codec.rows_checked_when_copied = true;  // the batcher's CopyFinitePieces
   if (options_.max_shared_memory_regions > 0) {
     shared_memory_ = std::make_unique<SharedMemoryRegistry>(
         options_.max_shared_memory_regions);

@@ -208,5 +208,38 @@ TEST(DtypeConvertTest, AllFiniteReadsUnalignedData) {
   EXPECT_FALSE(AllFinite(DType::kFp32, bytes.data() + 1, 3));
 }
 
+// CopyFinite copies every byte, from and to any offset, and agrees with
+// AllFinite on each dtype's Inf and NaN wherever they sit (first element,
+// inside the vector loop, in its remainder).
+TEST(DtypeConvertTest, CopyFiniteCopiesEveryByteAndFindsInfAndNan) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  for (DType dtype : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+    const size_t element = DTypeSize(dtype);
+    for (size_t count : {size_t{1}, size_t{7}, size_t{64}, size_t{1001}}) {
+      std::vector<float> values(count);
+      for (size_t i = 0; i < count; ++i) values[i] = 0.5f * (i % 37) - 3.0f;
+      for (size_t bad_at : {count, size_t{0}, count / 2, count - 1}) {
+        for (float bad : {kInf, -kInf, std::nanf("")}) {
+          std::vector<float> planted = values;
+          if (bad_at < count) planted[bad_at] = bad;
+          std::vector<char> src(1 + count * element);
+          ConvertDType(DType::kFp32, planted.data(), count, dtype,
+                       src.data() + 1);
+          std::vector<char> dst(3 + count * element, '\x5a');
+          const bool finite =
+              CopyFinite(dtype, src.data() + 1, count, dst.data() + 3);
+          SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " count "
+                                            << count << " bad at " << bad_at);
+          EXPECT_EQ(finite, bad_at == count);
+          EXPECT_EQ(finite, AllFinite(dtype, src.data() + 1, count));
+          EXPECT_EQ(
+              std::memcmp(dst.data() + 3, src.data() + 1, count * element), 0);
+          EXPECT_EQ(dst[2], '\x5a');  // nothing written before dst
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flashsampler

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -42,6 +43,7 @@ struct Outcome {
   BatchTiming timing;
   std::vector<float> hidden;
   std::vector<uint16_t> hidden16;
+  std::vector<absl::string_view> pieces;  // views of `hidden`, when set
   SamplingParams params;
   std::vector<RowSpec> specs;
   std::atomic<bool> cancelled{false};
@@ -88,6 +90,23 @@ std::unique_ptr<TestItem> MakeItem(std::shared_ptr<Outcome>* outcome_out,
   item->hidden = outcome->hidden.data();
   item->specs = outcome->specs.data();
   *outcome_out = outcome;
+  return item;
+}
+
+// MakeItem's item with its rows handed over as pieces of `piece_bytes`
+// bytes (the transport's buffers), unchecked, instead of as `hidden`.
+std::unique_ptr<TestItem> MakePiecesItem(std::shared_ptr<Outcome>* outcome_out,
+                                         int rows, uint64_t seed0, float first,
+                                         size_t piece_bytes) {
+  std::unique_ptr<TestItem> item = MakeItem(outcome_out, rows, seed0, first);
+  Outcome& o = **outcome_out;
+  const absl::string_view bytes(reinterpret_cast<const char*>(o.hidden.data()),
+                                o.hidden.size() * sizeof(float));
+  for (size_t at = 0; at < bytes.size(); at += piece_bytes) {
+    o.pieces.push_back(bytes.substr(at, piece_bytes));
+  }
+  item->hidden = nullptr;
+  item->hidden_pieces = &o.pieces;
   return item;
 }
 
@@ -297,6 +316,36 @@ TEST(BatcherTest, ARowErrorFailsOnlyTheRequestThatOwnsIt) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_THAT(good->results[r].token_ids,
                 ElementsAre(FakeToken(7.0f + r, 600 + r, 0, 0, kVocab)));
+  }
+}
+
+// Rows left in the transport's pieces are checked as they are copied into
+// the batch: a request with a NaN fails alone, and the rows after it in the
+// batch are the right ones.
+TEST(BatcherTest, ANonFiniteRowInPiecesFailsOnlyItsRequest) {
+  Fixture f;
+  f.batcher.Start();
+  f.state->CloseGate();
+  std::shared_ptr<Outcome> first, before, bad, after;
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&first, 1, 1)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  ASSERT_TRUE(f.batcher.Submit(MakePiecesItem(&before, 2, 100, 3.0f, 24)).ok());
+  std::unique_ptr<TestItem> bad_item = MakePiecesItem(&bad, 3, 200, 5.0f, 40);
+  bad->hidden[2 * kHidden + 7] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_TRUE(f.batcher.Submit(std::move(bad_item)).ok());
+  ASSERT_TRUE(f.batcher.Submit(MakePiecesItem(&after, 2, 300, 9.0f, 64)).ok());
+  f.state->OpenGate();
+  ASSERT_NO_FATAL_FAILURE(ExpectEveryAnswerOk({&first, &before, &after}));
+  ASSERT_TRUE(bad->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_EQ(bad->status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad->status.message(),
+            "hidden_states.data: must be finite, row 2 holds NaN or Inf");
+  EXPECT_THAT(f.state->batch_rows(), ElementsAre(1, 4));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(before->results[r].token_ids,
+                ElementsAre(FakeToken(3.0f + r, 100 + r, 0, 0, kVocab)));
+    EXPECT_THAT(after->results[r].token_ids,
+                ElementsAre(FakeToken(9.0f + r, 300 + r, 0, 0, kVocab)));
   }
 }
 

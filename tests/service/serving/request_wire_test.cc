@@ -2,14 +2,19 @@
 // way the transport cuts a message, the split parses to the message protobuf
 // parses from the whole (its rows on one thread or on a pool), and the
 // pieces decode as the contiguous bytes do (the same rows, the same first
-// non-finite row).
+// non-finite row), and CopyFinitePieces, the batch's copy of rows left
+// unchecked, copies them whole and names the first non-finite row.
 #include "service/serving/request_wire.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/dtype_convert.h"
 #include "gtest/gtest.h"
 #include "service/serving/request_codec.h"
@@ -247,6 +252,90 @@ TEST(RequestWireTest, PiecesDecodeLikeContiguousBytes) {
             rows = Join(split.hidden_pieces);
           }
           EXPECT_EQ(rows, data);
+        }
+      }
+    }
+  }
+}
+
+// A server's codec leaves rows in the engine's dtype unchecked, as pieces
+// (the batch checks them as it copies them); rows it converts are still
+// checked here.
+TEST(RequestWireTest, RowsCheckedWhenCopiedAreLeftAsPieces) {
+  v1::SampleRequest request = testing::MakeRequest(3, kHidden, 1);
+  const float nan = std::nanf("");
+  std::memcpy(&(*request.mutable_hidden_states()->mutable_data())[kHidden * 4],
+              &nan, sizeof(nan));
+  const std::string data = request.hidden_states().data();
+  std::mt19937 gen(5);
+  const std::vector<absl::string_view> pieces = Cut(data, 40, gen);
+  CodecConfig config = Config(DType::kFp32);
+  config.rows_checked_when_copied = true;
+  for (bool split : {false, true}) {
+    DecodedRequest decoded;
+    ASSERT_TRUE((split ? DecodeSampleRequest(request, pieces, config, &decoded)
+                       : DecodeSampleRequest(request, config, &decoded))
+                    .ok());
+    EXPECT_EQ(decoded.hidden, nullptr);
+    EXPECT_EQ(Join(decoded.hidden_pieces), data);
+    std::string copy(data.size(), '\0');
+    const absl::Status copied = CopyFinitePieces(
+        DType::kFp32, decoded.hidden_pieces, kHidden, copy.data());
+    EXPECT_EQ(copied.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(copied.message(),
+              "hidden_states.data: must be finite, row 1 holds NaN or Inf");
+  }
+  // An fp16 engine converts the rows at decode: they are checked there.
+  config.input_dtype = DType::kFp16;
+  DecodedRequest decoded;
+  const absl::Status status = DecodeSampleRequest(request, config, &decoded);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("row 1"), absl::string_view::npos) << status;
+}
+
+// Rows larger and smaller than the copy's 64 KB chunks, cut anywhere: every
+// byte arrives, and the first non-finite element's row is the one named
+// (never a later one, whatever chunk or piece it shares with others).
+TEST(RequestWireTest, CopyFinitePiecesCopiesEveryCutAndNamesTheFirstBadRow) {
+  std::mt19937 gen(11);
+  for (DType dtype : {DType::kBf16, DType::kFp32}) {
+    for (int64_t hidden : {int64_t{24}, int64_t{6000}, int64_t{40000}}) {
+      const int rows = static_cast<int>(std::max<int64_t>(3, 600000 / hidden));
+      std::vector<float> values(static_cast<size_t>(rows * hidden));
+      for (size_t i = 0; i < values.size(); ++i) {
+        values[i] = 0.001f * static_cast<float>(i % 977);
+      }
+      const int64_t count = rows * hidden;
+      for (int64_t bad :
+           {int64_t{-1}, int64_t{0}, hidden - 1, count / 2, count - 1}) {
+        std::vector<float> planted = values;
+        if (bad >= 0) {
+          planted[static_cast<size_t>(bad)] =
+              bad % 2 == 0 ? std::nanf("")
+                           : -std::numeric_limits<float>::infinity();
+        }
+        std::string data(planted.size() * DTypeSize(dtype), '\0');
+        ConvertDType(DType::kFp32, planted.data(), planted.size(), dtype,
+                     data.data());
+        for (size_t max_piece : {size_t{13}, size_t{70000}, data.size()}) {
+          SCOPED_TRACE(::testing::Message()
+                       << DTypeName(dtype) << " D " << hidden << " bad " << bad
+                       << " pieces <= " << max_piece);
+          std::string copy(data.size(), '\0');
+          const absl::Status status = CopyFinitePieces(
+              dtype, Cut(data, max_piece, gen), hidden, copy.data());
+          if (bad < 0) {
+            ASSERT_TRUE(status.ok()) << status;
+            EXPECT_EQ(copy, data);
+            continue;
+          }
+          const int64_t row = bad / hidden;
+          EXPECT_EQ(status.message(),
+                    absl::StrCat("hidden_states.data: must be finite, row ",
+                                 row, " holds NaN or Inf"));
+          const size_t before =
+              static_cast<size_t>(row * hidden) * DTypeSize(dtype);
+          EXPECT_EQ(copy.substr(0, before), data.substr(0, before));
         }
       }
     }
