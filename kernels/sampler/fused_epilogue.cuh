@@ -1006,6 +1006,31 @@ __device__ __forceinline__ float UnitKeyValue(uint32_t key) {
 
 constexpr float kLog2e = 1.44269504f;  // log2 e, rounded to fp32
 
+// The UnitCandidates::token_classes word of the unit a lane ranks in the
+// quad of the 16 columns from col0 (StoreStagedQuadUnits), or 0xffff (every
+// row ranked) where the launch has no classes or writes no units, or the
+// lane's column or unit is past the batch or the shard. The epilogue loads
+// the next quad's word before it scores the current quad, so that the
+// load's latency hides behind a quad's scoring: loaded where it is used,
+// a row of classes per batch row (9.7 MB at qwen B = 256) took every
+// control with raw logprobs there to 685-696 us against 652-673 (H100,
+// alternating runs; docs/performance.md).
+__device__ __forceinline__ uint32_t LaneUnitClasses(int64_t row0, int col0,
+                                                    int batch_base,
+                                                    const FusedArgs& args) {
+  const UnitCandidates& units = args.unit_candidates;
+  const int half = threadIdx.x & 1;
+  const int b = batch_base + col0 + StagedLaneColumn();
+  const int64_t first_row = row0 + 64 * half;
+  if (units.token_classes == nullptr || units.records == nullptr ||
+      b >= args.batch || first_row >= args.vocab_rows) {
+    return 0xffffu;
+  }
+  const int64_t class_row = units.token_classes_shared ? 0 : b;
+  return units.token_classes[class_row * UnitClassWordsPerRow(args.vocab_rows) +
+                             first_row / 16];
+}
+
 // Writes a staged quad's unit candidates (FusedSampleParams::
 // unit_candidates): lanes 2c and 2c + 1 hold column c's rows row0 + {0..15}
 // and row0 + 64 + {0..15}, one unit (slots 0-15 and 16-31). A logit ranks by
@@ -1020,10 +1045,11 @@ constexpr float kLog2e = 1.44269504f;  // log2 e, rounded to fp32
 // per (row, unit), each one sector written whole by its lane pair, so that
 // the merge kernel reads a row's records as one contiguous run. The row's
 // highest bound and highest key are atomic maxima (one each per record).
-// All 32 lanes call it.
+// `classes` is the lane's LaneUnitClasses. All 32 lanes call it.
 __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
                                                      int64_t row0, int col0,
                                                      int batch_base,
+                                                     uint32_t classes,
                                                      const FusedArgs& args) {
   constexpr unsigned kAll = 0xffffffffu;
   constexpr uint32_t kSlotBits = 0x1fu;
@@ -1036,18 +1062,8 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   const int64_t rows_left = args.vocab_rows - (row0 + 64 * half);
   const int valid =
       rows_left <= 0 ? 0 : (rows_left < 16 ? static_cast<int>(rows_left) : 16);
-  // Bit i: the lane's row i is ranked; bit 16 + i: its logit is an entry's
-  // (UnitCandidates::token_classes). Every row ranked without the array.
-  uint32_t classes = 0xffffu;
-  if (args.unit_candidates.token_classes != nullptr && b < args.batch &&
-      valid > 0) {
-    const int64_t class_row = args.unit_candidates.token_classes_shared ? 0 : b;
-    classes =
-        args.unit_candidates
-            .token_classes[class_row * UnitClassWordsPerRow(args.vocab_rows) +
-                           (row0 + 64 * half) / 16];
-  }
-  // Bit i: row i is in the shard and ranked.
+  // `classes`' bit i: the lane's row i is ranked; bit 16 + i: its logit is
+  // an entry's. Bit i here: row i is in the shard and ranked.
   const uint32_t ranked =
       classes & (valid >= 16 ? 0xffffu : (1u << valid) - 1u);
   const uint32_t slot_base = 16u * static_cast<uint32_t>(half);
@@ -1207,10 +1223,12 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
   }
 }
 
+// `classes`: the lane's LaneUnitClasses for this quad.
 template <typename Shared>
 __device__ __forceinline__ void ScoreStagedQuad(
     const float* staging, int64_t row0, int col0, int sample, bool store_logits,
-    int batch_base, const FusedArgs& args, Shared& shared, float floor) {
+    int batch_base, uint32_t classes, const FusedArgs& args, Shared& shared,
+    float floor) {
   const int lane = threadIdx.x & 31;
   const int column = StagedLaneColumn();
   const int half = lane & 1;
@@ -1218,7 +1236,7 @@ __device__ __forceinline__ void ScoreStagedQuad(
     StoreStagedQuadLogits(staging, row0, col0, batch_base, args);
   }
   if (store_logits && args.unit_candidates.records != nullptr) {
-    StoreStagedQuadUnits(staging, row0, col0, batch_base, args);
+    StoreStagedQuadUnits(staging, row0, col0, batch_base, classes, args);
   }
   const StagedLogits lane_logits{staging + column * kQuadStagingStride +
                                  16 * half};
@@ -1230,12 +1248,12 @@ __device__ __forceinline__ void ScoreStagedQuad(
 template <typename Shared>
 __device__ __forceinline__ void ScoreFragmentQuad(
     const float (&frags)[2][2][4], int64_t row0, int col0, int sample,
-    bool store_logits, int batch_base, const FusedArgs& args, float* staging,
-    Shared& shared, float floor) {
+    bool store_logits, int batch_base, uint32_t classes, const FusedArgs& args,
+    float* staging, Shared& shared, float floor) {
   StageFragmentQuad(frags, staging);
   __syncwarp();
-  ScoreStagedQuad(staging, row0, col0, sample, store_logits, batch_base, args,
-                  shared, floor);
+  ScoreStagedQuad(staging, row0, col0, sample, store_logits, batch_base,
+                  classes, args, shared, floor);
   // Every lane is done with the staging buffer before the next call's
   // stores (ScoreRuns' last shuffles need not run).
   __syncwarp();

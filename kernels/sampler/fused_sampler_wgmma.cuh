@@ -589,7 +589,14 @@ __global__ void __launch_bounds__(384, 1)
     // first group already find floors from other CTAs' earlier groups.
     const int quads = own_columns / 16;
     const int first_quad = static_cast<int>((blockIdx.x >> 1) % quads);
+    const auto quad_at = [first_quad, quads](int i) {
+      return first_quad + i < quads ? first_quad + i : first_quad + i - quads;
+    };
     for (int sample = 0; sample < args.num_samples; ++sample) {
+      // Units are written with sample 0's scores (LaneUnitClasses).
+      uint32_t classes =
+          sample == 0 ? LaneUnitClasses(row0, 16 * quad_at(0), batch_base, args)
+                      : 0xffffu;
       for (int i = thread; i < kBlockN; i += 128) {
         epilogue.best[i] = IdentityKey();
       }
@@ -597,12 +604,13 @@ __global__ void __launch_bounds__(384, 1)
       FillBlockWords(args, sample, tile, batch_base, thread, 128, epilogue);
       ptx::NamedBarrier(epilogue_barrier, 128);
       // Two n8 blocks (16 batch columns) of both m64 halves per call.
-      const auto quad_at = [first_quad, quads](int i) {
-        return first_quad + i < quads ? first_quad + i : first_quad + i - quads;
-      };
 #pragma unroll 1
       for (int i = 0; i < quads; ++i) {
         const int quad = quad_at(i);
+        const uint32_t next_classes =
+            sample == 0 && i + 1 < quads
+                ? LaneUnitClasses(row0, 16 * quad_at(i + 1), batch_base, args)
+                : 0xffffu;
         // A column without a key at the item's start (a launch's first
         // items) is read again at its call: by then other CTAs' calls may
         // have published one, and a call without floors costs several with
@@ -616,7 +624,8 @@ __global__ void __launch_bounds__(384, 1)
         float frags[2][2][4];
         ReadBlockQuad(acc0, acc1, quad, frags);
         ScoreFragmentQuad(frags, row0, quad * 16, sample, sample == 0,
-                          batch_base, args, staging, epilogue, floor);
+                          batch_base, classes, args, staging, epilogue, floor);
+        classes = next_classes;
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
       StoreCandidates(args, tile, sample, batch_base, own_columns, thread, 128,
@@ -649,7 +658,10 @@ __global__ void __launch_bounds__(384, 1)
       for (int q = 0; q < staged_columns / 16; ++q) {
         ScoreStagedQuad(
             shared_staging + q * kQuadStagingFloats, row0, q * 16, sample,
-            sample == 0, batch_base, args, epilogue,
+            sample == 0, batch_base,
+            sample == 0 ? LaneUnitClasses(row0, q * 16, batch_base, args)
+                        : 0xffffu,
+            args, epilogue,
             FloorOfKey(StagedLaneKey(args, sample, batch_base, q * 16)));
       }
       ptx::NamedBarrier(epilogue_barrier, 128);
