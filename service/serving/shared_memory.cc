@@ -87,8 +87,23 @@ absl::Status Shrunk(absl::string_view field) {
 }
 
 // Rows copied under one guard: the guard's sigsetjmp saves the signal mask
-// (a system call), and a chunk this size is still in cache for the check.
+// (a system call).
 constexpr size_t kCheckedChunkBytes = 64 << 10;
+
+// Runs `read` (which reads a mapping) and returns true, or returns false as
+// soon as a read in it raises SIGBUS. `read` must leave nothing behind that
+// a jump out of it would break (no locks, no allocations).
+template <typename Read>
+bool RunUnlessSigbus(const Read& read) {
+  InstallSigbusHandler();
+  sigjmp_buf jump;
+  // Saving the signal mask lets the jump out of the handler unblock SIGBUS.
+  if (sigsetjmp(jump, /*savemask=*/1) != 0) return false;
+  copy_in_progress = &jump;
+  read();
+  copy_in_progress = nullptr;
+  return true;
+}
 
 }  // namespace
 
@@ -100,14 +115,7 @@ absl::Status SharedMemoryOff(absl::string_view field) {
 }
 
 bool CopyUnlessSigbus(void* dst, const void* src, size_t bytes) {
-  InstallSigbusHandler();
-  sigjmp_buf jump;
-  // Saving the signal mask lets the jump out of the handler unblock SIGBUS.
-  if (sigsetjmp(jump, /*savemask=*/1) != 0) return false;
-  copy_in_progress = &jump;
-  std::memcpy(dst, src, bytes);
-  copy_in_progress = nullptr;
-  return true;
+  return RunUnlessSigbus([&] { std::memcpy(dst, src, bytes); });
 }
 
 absl::Status CopyFiniteRows(DType dtype, const char* src, int rows,
@@ -117,17 +125,25 @@ absl::Status CopyFiniteRows(DType dtype, const char* src, int rows,
       static_cast<int>(std::max<size_t>(1, kCheckedChunkBytes / row_bytes));
   for (int first = 0; first < rows; first += chunk_rows) {
     const int count = std::min(chunk_rows, rows - first);
-    char* to = dst + first * row_bytes;
-    if (!CopyUnlessSigbus(to, src + first * row_bytes, count * row_bytes)) {
+    // Each element is checked in the register it is stored from
+    // (CopyFinite): what lands in `dst` is what was checked, whatever the
+    // caller writes into its object meanwhile.
+    int bad = -1;
+    if (!RunUnlessSigbus([&] {
+          for (int r = first; r < first + count; ++r) {
+            if (!CopyFinite(dtype, src + r * row_bytes,
+                            static_cast<size_t>(hidden), dst + r * row_bytes)) {
+              bad = r;
+              return;
+            }
+          }
+        })) {
       return Shrunk("hidden_states.shared_memory");
     }
-    for (int r = 0; r < count; ++r) {
-      if (!AllFinite(dtype, to + r * row_bytes, static_cast<size_t>(hidden))) {
-        return FieldViolationError(
-            "hidden_states.shared_memory",
-            absl::StrCat("must be finite, row ", first + r,
-                         " holds NaN or Inf"));
-      }
+    if (bad >= 0) {
+      return FieldViolationError(
+          "hidden_states.shared_memory",
+          absl::StrCat("must be finite, row ", bad, " holds NaN or Inf"));
     }
   }
   return absl::OkStatus();

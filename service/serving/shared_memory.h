@@ -35,8 +35,9 @@ bool CopyUnlessSigbus(void* dst, const void* src, size_t bytes);
 absl::Status SharedMemoryOff(absl::string_view field);
 
 // Copies `rows` rows of `hidden` elements of `dtype` from a caller's mapping
-// to `dst` and checks that every copied element is finite (the check reads
-// `dst`, so bytes the caller rewrites meanwhile cannot slip past it).
+// to `dst` and checks that every copied element is finite (each element in
+// the register it is stored from, so bytes the caller rewrites meanwhile
+// cannot slip past it).
 // INVALID_ARGUMENT "hidden_states.shared_memory: must be finite, row r ...",
 // or FAILED_PRECONDITION when the mapping's object shrank.
 absl::Status CopyFiniteRows(DType dtype, const char* src, int rows,

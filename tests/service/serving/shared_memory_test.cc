@@ -169,6 +169,32 @@ TEST(SharedMemoryRegistryTest, CopyFiniteRowsNamesTheFirstBadRow) {
             "or Inf");
 }
 
+// The launch-time copy from an object shrunk under its mapping: the rows
+// past the new end fail the copy alone, and the rows before it still copy.
+TEST(SharedMemoryRegistryTest, CopyFiniteRowsFromAShrunkRegionFailsAlone) {
+  constexpr int64_t kDim = 1024;  // 4 KB fp32 rows
+  std::unique_ptr<SharedMemoryRegion> region = MakeRegion(1 << 16);
+  ASSERT_NE(region, nullptr);
+  SharedMemoryRegistry registry(1);
+  ASSERT_TRUE(registry.Register("a", region->key(), 1 << 16).ok());
+  absl::StatusOr<SharedBytes> bytes =
+      registry.Find("a", 0, 1 << 16, "hidden_states.shared_memory");
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  const int fd = shm_open(region->key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  std::vector<float> dst(16 * kDim);
+  const absl::Status s = CopyFiniteRows(DType::kFp32, bytes->data, 16, kDim,
+                                        reinterpret_cast<char*>(dst.data()));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("smaller than when it was registered"));
+  EXPECT_TRUE(CopyFiniteRows(DType::kFp32, bytes->data, 1, kDim,
+                             reinterpret_cast<char*>(dst.data()))
+                  .ok());
+}
+
 TEST(SharedMemoryRegistryDeathTest, ASigbusOutsideACopyStillKills) {
   SharedMemoryRegistry registry(1);  // installs the handler
   EXPECT_EXIT(raise(SIGBUS), ::testing::KilledBySignal(SIGBUS), "");
