@@ -172,7 +172,9 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 
 void Metrics::ObserveRequest(absl::string_view rpc, absl::StatusCode code,
                              double seconds) {
-  static constexpr absl::string_view kRpcs[kKnownRpcs] = {
+  // const, not constexpr: under UBSan GCC 12 checks the arrays' addresses
+  // for null, which makes the views no constant expression.
+  static const absl::string_view kRpcs[kKnownRpcs] = {
       kRpcSample, kRpcSampleStream, kRpcGetModelInfo, kRpcRegisterSharedMemory,
       kRpcUnregisterSharedMemory};
   int slot = -1;

@@ -308,7 +308,7 @@ absl::Status Decode(const v1::SampleRequest& request,
       contiguous = out->shared_copy.get();
     }
   } else if (*dtype == config.input_dtype && config.rows_checked_when_copied) {
-    // Checked as the batch copies them (CopyFinitePieces), in cache.
+    // Checked as the batch copies them (CopyFinitePieces): one read of them.
     if (data != nullptr) {
       out->hidden_pieces = *data;
     } else {

@@ -222,9 +222,13 @@ TEST(DtypeConvertTest, CopyFiniteCopiesEveryByteAndFindsInfAndNan) {
         for (float bad : {kInf, -kInf, std::nanf("")}) {
           std::vector<float> planted = values;
           if (bad_at < count) planted[bad_at] = bad;
-          std::vector<char> src(1 + count * element);
+          // ConvertDType writes aligned elements: converted, then moved to
+          // an odd offset.
+          std::vector<uint32_t> converted(count);
           ConvertDType(DType::kFp32, planted.data(), count, dtype,
-                       src.data() + 1);
+                       converted.data());
+          std::vector<char> src(1 + count * element);
+          std::memcpy(src.data() + 1, converted.data(), count * element);
           std::vector<char> dst(3 + count * element, '\x5a');
           const bool finite =
               CopyFinite(dtype, src.data() + 1, count, dst.data() + 3);
