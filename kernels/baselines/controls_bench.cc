@@ -7,7 +7,8 @@
 // same exact sampler. "units_*" is the candidate path from the fused
 // kernel's unit candidates instead of its logits (the CUDA engine's path for
 // rows whose sets a filter closes; with a bitmask or per-token entries the
-// units rank by token classes; raw logprobs from the units' tails at
+// units rank by token classes, timed apart as classes_only_* and, with the
+// fused kernel, units_no_merge_*; raw logprobs from the units' tails at
 // T = 1, on bitmask rows with the bitmasks in the classes, which the engine
 // takes where a batch packs few bitmasks); its full-pass-rows column is
 // the share of rows it could not certify, which the engine samples again
@@ -543,6 +544,26 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                                           params, units, controlled_workspace,
                                           controlled_workspace_bytes, stream);
       };
+      // Where the units' path spends its time when it ranks by token
+      // classes: their kernel alone, and it with the fused kernel (the
+      // merge kernel is the rest of the units_ row).
+      if (units.token_classes != nullptr) {
+        const std::function<cudaError_t()> classes_launch = [&] {
+          return LaunchUnitTokenClasses(class_params, unit_token_classes,
+                                        stream);
+        };
+        if (!time("classes_only_" + controls.name, classes_launch) ||
+            !time("units_no_merge_" + controls.name, [&] {
+              const cudaError_t error = classes_launch();
+              return error != cudaSuccess
+                         ? error
+                         : fused_units(h, batch, units.tail_inv_temperature,
+                                       units.token_classes,
+                                       controls.shared_classes);
+            })) {
+          return false;
+        }
+      }
       if (!time("fused_" + controls.name, logits_launch) ||
           !record_fallback() ||
           !time_interleaved("fused_" + controls.name, logits_launch) ||
