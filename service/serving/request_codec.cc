@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "common/dtype_convert.h"
 #include "common/field_violation.h"
+#include "service/serving/request_wire.h"
 
 // Tensor.data and allowed_token_bitmask_bytes are little-endian on the
 // wire; the codec copies them as they are.
@@ -161,51 +162,6 @@ int FirstNonFiniteRow(DType dtype, const void* data, int rows, int64_t hidden,
       ConvertDType(dtype, row, hidden, input_dtype, converted.data());
       if (!AllFinite(input_dtype, converted.data(), hidden)) return r;
     }
-  }
-  return -1;
-}
-
-// FirstNonFiniteRow over rows laid out across `pieces` (same dtype as the
-// engine's, so no conversion check); an element may span two pieces.
-int FirstNonFiniteRowInPieces(DType dtype,
-                              const std::vector<absl::string_view>& pieces,
-                              int64_t hidden) {
-  const size_t element = DTypeSize(dtype);
-  const size_t row_bytes = hidden * element;
-  size_t position = 0;  // bytes of the rows before the current piece
-  char straddle[4];
-  size_t straddle_bytes = 0;
-  for (absl::string_view piece : pieces) {
-    size_t at = 0;
-    if (straddle_bytes > 0) {
-      const size_t take = std::min(element - straddle_bytes, piece.size());
-      std::memcpy(straddle + straddle_bytes, piece.data(), take);
-      straddle_bytes += take;
-      at = take;
-      if (straddle_bytes < element) {
-        position += piece.size();
-        continue;
-      }
-      if (!AllFinite(dtype, straddle, 1)) {
-        return static_cast<int>((position + at - 1) / row_bytes);
-      }
-      straddle_bytes = 0;
-    }
-    // Whole elements of this piece, checked up to each row boundary so that
-    // a failure names its row.
-    while (piece.size() - at >= element) {
-      const size_t offset = position + at;
-      const size_t row_end = (offset / row_bytes + 1) * row_bytes;
-      const size_t whole = (piece.size() - at) / element;
-      const size_t count = std::min(whole, (row_end - offset) / element);
-      if (!AllFinite(dtype, piece.data() + at, count)) {
-        return static_cast<int>(offset / row_bytes);
-      }
-      at += count * element;
-    }
-    straddle_bytes = piece.size() - at;
-    std::memcpy(straddle, piece.data() + at, straddle_bytes);
-    position += piece.size();
   }
   return -1;
 }

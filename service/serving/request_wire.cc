@@ -257,48 +257,79 @@ bool ParseSplitRequest(const SplitRequest& split, ThreadPool* pool,
                      [](bool ok) { return ok; });
 }
 
+namespace {
+
+constexpr size_t kEveryElementVisited = ~size_t{0};
+
+// Calls visit(elements, count, offset) for the whole elements of `pieces`
+// in order, in runs of `element`-byte elements that stay inside one row of
+// `row_bytes` (a multiple of `element`), `offset` being the run's first
+// byte in the concatenated pieces; an element split between pieces is put
+// together first and visited alone. Returns the offset of the first run for
+// which visit returns false, or kEveryElementVisited.
+template <typename Visit>
+size_t VisitRowRuns(const std::vector<absl::string_view>& pieces,
+                    size_t element, size_t row_bytes, const Visit& visit) {
+  size_t position = 0;  // bytes of the pieces before the current one
+  char straddle[4];
+  size_t straddle_bytes = 0;
+  for (absl::string_view piece : pieces) {
+    size_t at = 0;
+    if (straddle_bytes > 0) {
+      const size_t take = std::min(element - straddle_bytes, piece.size());
+      std::memcpy(straddle + straddle_bytes, piece.data(), take);
+      straddle_bytes += take;
+      at = take;
+      if (straddle_bytes < element) {
+        position += piece.size();
+        continue;
+      }
+      const size_t offset = position + at - element;
+      if (!visit(straddle, size_t{1}, offset)) return offset;
+      straddle_bytes = 0;
+    }
+    while (piece.size() - at >= element) {
+      const size_t offset = position + at;
+      const size_t row_end = (offset / row_bytes + 1) * row_bytes;
+      const size_t count =
+          std::min((piece.size() - at) / element, (row_end - offset) / element);
+      if (!visit(piece.data() + at, count, offset)) return offset;
+      at += count * element;
+    }
+    straddle_bytes = piece.size() - at;
+    std::memcpy(straddle, piece.data() + at, straddle_bytes);
+    position += piece.size();
+  }
+  return kEveryElementVisited;
+}
+
+}  // namespace
+
+int FirstNonFiniteRowInPieces(DType dtype,
+                              const std::vector<absl::string_view>& pieces,
+                              int64_t hidden) {
+  const size_t row_bytes = static_cast<size_t>(hidden) * DTypeSize(dtype);
+  const size_t bad =
+      VisitRowRuns(pieces, DTypeSize(dtype), row_bytes,
+                   [dtype](const char* elements, size_t count, size_t) {
+                     return AllFinite(dtype, elements, count);
+                   });
+  return bad == kEveryElementVisited ? -1 : static_cast<int>(bad / row_bytes);
+}
+
 absl::Status CopyFinitePieces(DType dtype,
                               const std::vector<absl::string_view>& pieces,
                               int64_t hidden, char* dst) {
-  const size_t element = DTypeSize(dtype);
-  const size_t row_bytes = static_cast<size_t>(hidden) * element;
-  const auto non_finite = [row_bytes](size_t offset) {
-    return FieldViolationError(
-        "hidden_states.data",
-        absl::StrCat("must be finite, row ", offset / row_bytes,
-                     " holds NaN or Inf"));
-  };
-  size_t copied = 0;  // bytes of dst written, in order
-  for (absl::string_view piece : pieces) {
-    size_t at = 0;
-    // An element split between this piece and the last: its bytes are put
-    // together in dst and checked there.
-    if (const size_t partial = copied % element; partial != 0) {
-      const size_t take = std::min(element - partial, piece.size());
-      std::memcpy(dst + copied, piece.data(), take);
-      copied += take;
-      at = take;
-      if (copied % element == 0 &&
-          !AllFinite(dtype, dst + copied - element, 1)) {
-        return non_finite(copied - element);
-      }
-    }
-    // Whole elements, copied and checked up to each row's end so that a
-    // failure names its row.
-    while (piece.size() - at >= element) {
-      const size_t row_end = (copied / row_bytes + 1) * row_bytes;
-      const size_t count =
-          std::min((piece.size() - at) / element, (row_end - copied) / element);
-      if (!CopyFinite(dtype, piece.data() + at, count, dst + copied)) {
-        return non_finite(copied);
-      }
-      copied += count * element;
-      at += count * element;
-    }
-    std::memcpy(dst + copied, piece.data() + at, piece.size() - at);
-    copied += piece.size() - at;
-  }
-  return absl::OkStatus();
+  const size_t row_bytes = static_cast<size_t>(hidden) * DTypeSize(dtype);
+  const size_t bad = VisitRowRuns(
+      pieces, DTypeSize(dtype), row_bytes,
+      [dtype, dst](const char* elements, size_t count, size_t offset) {
+        return CopyFinite(dtype, elements, count, dst + offset);
+      });
+  if (bad == kEveryElementVisited) return absl::OkStatus();
+  return FieldViolationError(
+      "hidden_states.data", absl::StrCat("must be finite, row ",
+                                         bad / row_bytes, " holds NaN or Inf"));
 }
 
 }  // namespace flashsampler

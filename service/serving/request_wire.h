@@ -79,6 +79,12 @@ inline bool RowsWorthAPool(const SplitRequest& split) {
 bool ParseSplitRequest(const SplitRequest& split, ThreadPool* pool,
                        v1::SampleRequest* request);
 
+// The first row of the rows whose bytes are `pieces`, in order (rows of
+// `hidden` elements of `dtype`), that holds NaN or Inf, or -1.
+int FirstNonFiniteRowInPieces(DType dtype,
+                              const std::vector<absl::string_view>& pieces,
+                              int64_t hidden);
+
 // Copies the rows whose bytes are `pieces`, in order (rows of `hidden`
 // elements of `dtype`, as many as the pieces hold), to `dst`, checking each
 // element as it is copied (CopyFinite): the transport's bytes are read once,
