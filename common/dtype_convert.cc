@@ -124,38 +124,25 @@ namespace {
 #define FS_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
 #endif
 
-// True when none of `count` words at `data` has every bit of `mask` set (an
-// all-ones exponent: Inf or NaN). No early exit, so the compiler vectorizes
-// it: a loop that stopped at the first bad element ran element by element,
-// 19% of the daemon's CPU on 256-row bf16 requests. memcpy reads words at
-// any alignment (request bytes sit in gRPC's slices at odd offsets). The
-// flags gather in a Word, so that the compares stay as wide as the words,
-// and an AVX2 clone runs where the CPU has one (the loader picks it; the
-// build targets baseline x86-64): 2 MB of bf16 in 99 us against 197 with
-// SSE2 and an unsigned gather, a development host's core, where it was a
-// fifth of the daemon's CPU serving 256-row requests.
-template <typename Word>
-FS_AVX2_CLONE bool NoExponentAllOnes(const void* data, size_t count,
-                                     Word mask) {
-  const char* bytes = static_cast<const char*>(data);
-  Word bad = 0;
-  for (size_t i = 0; i < count; ++i) {
-    Word word;
-    std::memcpy(&word, bytes + i * sizeof(Word), sizeof(Word));
-    bad |= static_cast<Word>((word & mask) == mask);
-  }
-  return bad == 0;
-}
-
-// NoExponentAllOnes over the words copied from `src` to `dst`: each word is
-// checked in the register it is stored from, so that the bytes are read
-// once and what lands in `dst` is what was checked. 2 MB of bf16 from gRPC-
-// sized pieces in 212-235 us against 297-343 for a copy of each 64 KB and a
-// check of it in cache, and 323-330 for a check and then a copy (a
-// development host's core; a plain copy alone took 190-213).
-template <typename Word>
-FS_AVX2_CLONE bool CopyNoExponentAllOnes(const void* src, size_t count,
-                                         Word mask, void* dst) {
+// True when none of `count` words at `src` has every bit of `mask` set (an
+// all-ones exponent: Inf or NaN); with kCopy, each word is also stored to
+// `dst` from the register it was checked in, so that the bytes are read
+// once and what lands in `dst` is what was checked. No early exit, so the
+// compiler vectorizes it: a loop that stopped at the first bad element ran
+// element by element, 19% of the daemon's CPU on 256-row bf16 requests.
+// memcpy reads words at any alignment (request bytes sit in gRPC's slices
+// at odd offsets). The flags gather in a Word, so that the compares stay as
+// wide as the words, and an AVX2 clone runs where the CPU has one (the
+// loader picks it; the build targets baseline x86-64): 2 MB of bf16 checked
+// in 99 us against 197 with SSE2 and an unsigned gather, a development
+// host's core, where it was a fifth of the daemon's CPU serving 256-row
+// requests. Copied and checked from gRPC-sized pieces in 212-235 us
+// against 297-343 for a copy of each 64 KB and a check of it in cache, and
+// 323-330 for a check and then a copy (the same core; a plain copy alone
+// took 190-213).
+template <bool kCopy, typename Word>
+FS_AVX2_CLONE bool NoExponentAllOnes(const void* src, size_t count, Word mask,
+                                     void* dst) {
   const char* in = static_cast<const char*>(src);
   char* out = static_cast<char*>(dst);
   Word bad = 0;
@@ -163,35 +150,35 @@ FS_AVX2_CLONE bool CopyNoExponentAllOnes(const void* src, size_t count,
     Word word;
     std::memcpy(&word, in + i * sizeof(Word), sizeof(Word));
     bad |= static_cast<Word>((word & mask) == mask);
-    std::memcpy(out + i * sizeof(Word), &word, sizeof(Word));
+    if constexpr (kCopy) {
+      std::memcpy(out + i * sizeof(Word), &word, sizeof(Word));
+    }
   }
   return bad == 0;
+}
+
+// NoExponentAllOnes with `dtype`'s word and exponent mask.
+template <bool kCopy>
+bool FiniteElements(DType dtype, const void* src, size_t count, void* dst) {
+  switch (dtype) {
+    case DType::kBf16:
+      return NoExponentAllOnes<kCopy, uint16_t>(src, count, 0x7f80u, dst);
+    case DType::kFp16:
+      return NoExponentAllOnes<kCopy, uint16_t>(src, count, 0x7c00u, dst);
+    case DType::kFp32:
+      return NoExponentAllOnes<kCopy, uint32_t>(src, count, 0x7f800000u, dst);
+  }
+  return false;
 }
 
 }  // namespace
 
 bool CopyFinite(DType dtype, const void* src, size_t count, void* dst) {
-  switch (dtype) {
-    case DType::kBf16:
-      return CopyNoExponentAllOnes<uint16_t>(src, count, 0x7f80u, dst);
-    case DType::kFp16:
-      return CopyNoExponentAllOnes<uint16_t>(src, count, 0x7c00u, dst);
-    case DType::kFp32:
-      return CopyNoExponentAllOnes<uint32_t>(src, count, 0x7f800000u, dst);
-  }
-  return false;
+  return FiniteElements<true>(dtype, src, count, dst);
 }
 
 bool AllFinite(DType dtype, const void* data, size_t count) {
-  switch (dtype) {
-    case DType::kBf16:
-      return NoExponentAllOnes<uint16_t>(data, count, 0x7f80u);
-    case DType::kFp16:
-      return NoExponentAllOnes<uint16_t>(data, count, 0x7c00u);
-    case DType::kFp32:
-      return NoExponentAllOnes<uint32_t>(data, count, 0x7f800000u);
-  }
-  return false;
+  return FiniteElements<false>(dtype, data, count, nullptr);
 }
 
 }  // namespace flashsampler
