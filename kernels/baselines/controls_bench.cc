@@ -528,17 +528,24 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
             options.stage1_sampled ? inv_temperature : greedy_inv_temperature);
         return error != cudaSuccess ? error : sample();
       };
-      // The units' candidate path; its uncertified rows would take the
-      // logits' path as well.
+      // The units' candidate path, its uncertified rows would take the
+      // logits' path as well: the token classes' kernel (where the units
+      // rank by classes), the fused kernel, the merge kernel.
+      const std::function<cudaError_t()> classes_launch = [&] {
+        return units.token_classes == nullptr
+                   ? cudaSuccess
+                   : LaunchUnitTokenClasses(class_params, unit_token_classes,
+                                            stream);
+      };
+      const std::function<cudaError_t()> ranked_launch = [&] {
+        const cudaError_t error = classes_launch();
+        return error != cudaSuccess
+                   ? error
+                   : fused_units(h, batch, units.tail_inv_temperature,
+                                 units.token_classes, controls.shared_classes);
+      };
       const std::function<cudaError_t()> units_launch = [&] {
-        cudaError_t error = units.token_classes == nullptr
-                                ? cudaSuccess
-                                : LaunchUnitTokenClasses(
-                                      class_params, unit_token_classes, stream);
-        if (error == cudaSuccess) {
-          error = fused_units(h, batch, units.tail_inv_temperature,
-                              units.token_classes, controls.shared_classes);
-        }
+        const cudaError_t error = ranked_launch();
         return error != cudaSuccess ? error
                                     : LaunchControlledSampleFromUnits(
                                           params, units, controlled_workspace,
@@ -547,22 +554,10 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       // Where the units' path spends its time when it ranks by token
       // classes: their kernel alone, and it with the fused kernel (the
       // merge kernel is the rest of the units_ row).
-      if (units.token_classes != nullptr) {
-        const std::function<cudaError_t()> classes_launch = [&] {
-          return LaunchUnitTokenClasses(class_params, unit_token_classes,
-                                        stream);
-        };
-        if (!time("classes_only_" + controls.name, classes_launch) ||
-            !time("units_no_merge_" + controls.name, [&] {
-              const cudaError_t error = classes_launch();
-              return error != cudaSuccess
-                         ? error
-                         : fused_units(h, batch, units.tail_inv_temperature,
-                                       units.token_classes,
-                                       controls.shared_classes);
-            })) {
-          return false;
-        }
+      if (units.token_classes != nullptr &&
+          (!time("classes_only_" + controls.name, classes_launch) ||
+           !time("units_no_merge_" + controls.name, ranked_launch))) {
+        return false;
       }
       if (!time("fused_" + controls.name, logits_launch) ||
           !record_fallback() ||
