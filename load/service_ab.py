@@ -129,13 +129,12 @@ def main():
                     if done.returncode not in (0, 3):  # 3: some calls failed
                         print(done.stdout, done.stderr, file=sys.stderr)
                         return 1
-                    answered = (after.get((sb.HISTOGRAMS[3], "count"), 0) -
-                                before.get((sb.HISTOGRAMS[3], "count"), 0))
+                    answers = sb.answered(before, after)
                     runs.append({
                         "label": label, "round": round_, "variant": name,
                         "point": f"{callers}x{rows}",
                         "cpu_us": (1e6 * (usage_after[0] - usage_before[0]) /
-                                   answered if answered else float("nan"))})
+                                   answers if answers else float("nan"))})
         with open(summary) as f:
             load_rows = {row["label"]: row for row in csv.DictReader(f)}
     finally:

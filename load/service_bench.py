@@ -153,6 +153,13 @@ def mean_delta(before, after, name):
     return total / count if count > 0 else float("nan")
 
 
+def answered(before, after):
+    """Requests the daemon answered between two scrapes, warm-up calls
+    included (the request duration histogram's count)."""
+    return (after.get((HISTOGRAMS[3], "count"), 0) -
+            before.get((HISTOGRAMS[3], "count"), 0))
+
+
 def fallback_pct(before, after):
     """Share of the batches' rows (warm-up included) that took the exact
     fallback, in percent."""
@@ -381,8 +388,7 @@ def main():
             host_after, load_after = host_cpu(), children_cpu_s()
             usage_after = process_usage(daemon.pid)
             after = scrape(metrics_port)
-            answered = (after.get((HISTOGRAMS[3], "count"), 0) -
-                        before.get((HISTOGRAMS[3], "count"), 0))
+            answers = answered(before, after)
             # fs_load exits 3 when calls failed: that is a result to show
             # (the errors column), anything else means no summary line.
             if done.returncode not in (0, 3):
@@ -397,12 +403,12 @@ def main():
                 "encode_ms": 1e3 * mean_delta(before, after, HISTOGRAMS[5]),
                 "batch_rows": mean_delta(before, after, HISTOGRAMS[2]),
                 "fallback_pct": fallback_pct(before, after),
-                "cpu_us": (1e6 * (usage_after[0] - usage_before[0]) / answered
-                           if answered > 0 else float("nan")),
-                "switches": ((usage_after[1] - usage_before[1]) / answered
-                             if answered > 0 else float("nan")),
-                "load_cpu_us": (1e6 * (load_after - load_before) / answered
-                                if answered > 0 else float("nan")),
+                "cpu_us": (1e6 * (usage_after[0] - usage_before[0]) / answers
+                           if answers > 0 else float("nan")),
+                "switches": ((usage_after[1] - usage_before[1]) / answers
+                             if answers > 0 else float("nan")),
+                "load_cpu_us": (1e6 * (load_after - load_before) / answers
+                                if answers > 0 else float("nan")),
                 "host_busy": (100.0 * (host_after[0] - host_before[0]) /
                               max(1, host_after[1] - host_before[1])),
             })
