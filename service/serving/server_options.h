@@ -87,13 +87,12 @@ struct ServerOptions {
   // development host).
   int parse_threads = 4;
   // Threads that serve unary Sample() calls, each polling its own gRPC
-  // completion queue (1 to 256): they decode requests, hand
-  // them to the batcher and run an idle engine's batch themselves; a thread
-  // takes its next call once the last is in the batcher or answered. Four
-  // against eight and sixteen on a 16-core H100 host
-  // (docs/performance.md#service): the most requests at 64 and 256
-  // single-row callers, within 3% of eight at one caller; sixteen lost what
-  // four gained over gRPC's callback API.
+  // completion queue (1 to 256): they decode requests, hand them to the
+  // batcher and run an idle engine's batch themselves; a thread takes its
+  // next call once the last is in the batcher or answered. Four against
+  // eight and sixteen on a 16-core H100 host (docs/performance.md#service):
+  // the most requests at 64 and 256 single-row callers, within 3% of eight
+  // at one caller; sixteen lost what four gained over gRPC's callback API.
   int sample_threads = 4;
   // Most shared-memory regions callers may register at once
   // (RegisterSharedMemory; service/serving/shared_memory.h). 0: none, every
