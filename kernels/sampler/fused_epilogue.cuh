@@ -1010,7 +1010,7 @@ constexpr float kLog2e = 1.44269504f;  // log2 e, rounded to fp32
 // quad of the 16 columns from col0 (StoreStagedQuadUnits), or 0xffff (every
 // row ranked) where the launch has no classes or writes no units, or the
 // lane's column or unit is past the batch or the shard. The epilogue loads
-// the next quad's word before it scores the current quad, so that the
+// the next quad's word while it scores the current quad, so that the
 // load's latency hides behind a quad's scoring: loaded where it is used,
 // a row of classes per batch row (9.7 MB at qwen B = 256) took every
 // control with raw logprobs there to 685-696 us against 652-673 (H100,
@@ -1029,6 +1029,31 @@ __device__ __forceinline__ uint32_t LaneUnitClasses(int64_t row0, int col0,
   const int64_t class_row = units.token_classes_shared ? 0 : b;
   return units.token_classes[class_row * UnitClassWordsPerRow(args.vocab_rows) +
                              first_row / 16];
+}
+
+// Brings into L2 the token-classes words of column b for the 128 rows of
+// vocab tile `tile` (one 32-byte sector: words 8 tile .. 8 tile + 7 of the
+// row), where the launch has a row of classes per batch row. Called by each
+// consumer thread for its column as the piece's epilogue starts, so that
+// the quads' own loads (LaneUnitClasses) find the words in L2 rather than
+// in DRAM: the fused kernel's W traffic evicts the classes' kernel's
+// output long before a tile's turn comes. evict_last, as the unit records
+// are kept: with an evict_normal prefetch, qwen B = 256 with every control
+// and raw logprobs took 534-539 against 516-519 us for the classes' and
+// fused kernels (H100, alternating builds in one call). One row of classes
+// for all rows stays in L1 and L2 without it.
+__device__ __forceinline__ void PrefetchPieceUnitClasses(
+    int64_t tile, int b, const FusedArgs& args) {
+  const UnitCandidates& units = args.unit_candidates;
+  if (units.token_classes == nullptr || units.records == nullptr ||
+      units.token_classes_shared || b >= args.batch) {
+    return;
+  }
+  const int64_t words = UnitClassWordsPerRow(args.vocab_rows);
+  const int64_t first = tile * kTileRows / 16;
+  if (first >= words) return;
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(
+      units.token_classes + b * words + first));
 }
 
 // Writes a staged quad's unit candidates (FusedSampleParams::
