@@ -72,12 +72,14 @@ bool LimitAddressSpace(uint64_t headroom) {
   return setrlimit(RLIMIT_AS, &limit) == 0;
 }
 
-// Runs in the death-test child: creates the engine under the limit, prints
-// the status on stderr and exits 0 if it is ResourceExhausted, 1 if it is
-// another error, 2 if the engine was created. A crash fails the test.
+// Runs in the death-test child: creates the engine under a limit of
+// `headroom` bytes over what the process uses now, prints the status on
+// stderr and exits 0 if it is ResourceExhausted, 1 if it is another error,
+// 2 if the engine was created. A crash fails the test.
 [[noreturn]] void CreateUnderLimit(const Weights& weights,
-                                   const CpuEngineOptions& options) {
-  if (!LimitAddressSpace(uint64_t{64} << 20)) {
+                                   const CpuEngineOptions& options,
+                                   uint64_t headroom) {
+  if (!LimitAddressSpace(headroom)) {
     std::fprintf(stderr, "setrlimit failed\n");
     _exit(3);
   }
@@ -109,7 +111,8 @@ TEST_F(CpuEngineOomTest, OutOfMemoryAborts) {
   CpuEngineOptions options;
   options.sampler.threads = 1;
   options.max_batch_rows = 8;
-  EXPECT_EXIT(CreateUnderLimit(weights, options), ::testing::ExitedWithCode(0),
+  EXPECT_EXIT(CreateUnderLimit(weights, options, uint64_t{64} << 20),
+              ::testing::ExitedWithCode(0),
               "RESOURCE_EXHAUSTED: CpuEngine: cannot allocate the fp32 copy "
               "of W \\[16384, 2048\\]: 134217728 bytes");
 }
@@ -122,7 +125,13 @@ TEST_F(CpuEngineOomTest, OutOfMemoryAbortsOnSlotBuffers) {
   options.sampler.threads = 1;
   options.max_batch_rows = 1 << 20;  // 4 GiB per slot at hidden 1024
   options.slots = 2;
-  EXPECT_EXIT(CreateUnderLimit(weights, options), ::testing::ExitedWithCode(0),
+  // 1 GiB of headroom: the 4 MB fp32 copy of W must fit beside whatever
+  // else the process maps meanwhile. OpenBLAS starts its threads at load,
+  // and a thread's first malloc maps 128 MiB for its arena (strace, 2-core
+  // host); where that came after the limit, 64 MiB of headroom left no
+  // room for the copy of W, and the test failed on the wrong allocation.
+  EXPECT_EXIT(CreateUnderLimit(weights, options, uint64_t{1} << 30),
+              ::testing::ExitedWithCode(0),
               "RESOURCE_EXHAUSTED: CpuEngine: cannot allocate the input "
               "buffer of slot 0 \\[1048576, 1024\\]: 4294967296 bytes");
 }
