@@ -6,6 +6,7 @@
 #ifndef FLASHSAMPLER_COMMON_FIELD_VIOLATION_H_
 #define FLASHSAMPLER_COMMON_FIELD_VIOLATION_H_
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -35,6 +36,15 @@ inline absl::Status FieldViolationError(absl::string_view field,
       absl::InvalidArgumentError(absl::StrCat(field, ": ", description));
   status.SetPayload(kFieldViolationPayload, absl::Cord(field));
   return status;
+}
+
+// The violation for hidden states whose row `row` holds NaN or Inf, as the
+// request's check, the batch's copy of its pieces and a shared-memory copy
+// all word it; `detail` follows the description.
+inline absl::Status NonFiniteRowError(absl::string_view field, int64_t row,
+                                      absl::string_view detail = {}) {
+  return FieldViolationError(field, absl::StrCat("must be finite, row ", row,
+                                                 " holds NaN or Inf", detail));
 }
 
 // The violation a status made by FieldViolationError carries (also after

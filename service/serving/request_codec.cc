@@ -296,14 +296,13 @@ absl::Status Decode(const v1::SampleRequest& request,
                                               config.input_dtype)
                           : FirstNonFiniteRowInPieces(*dtype, *data, hidden);
   if (bad_row >= 0) {
-    return Invalid(
+    return NonFiniteRowError(
         by_reference ? "hidden_states.shared_memory" : "hidden_states.data",
-        absl::StrCat(
-            "must be finite, row ", bad_row, " holds NaN or Inf",
-            config.input_dtype != *dtype && config.input_dtype != DType::kFp32
-                ? absl::StrCat(" (or overflows the engine's ",
-                               DTypeName(config.input_dtype), ")")
-                : std::string()));
+        bad_row,
+        config.input_dtype != *dtype && config.input_dtype != DType::kFp32
+            ? absl::StrCat(" (or overflows the engine's ",
+                           DTypeName(config.input_dtype), ")")
+            : std::string());
   }
 
   if (request.row_params_size() != 0 && request.row_params_size() != rows) {

@@ -10,7 +10,6 @@
 #include <memory>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
 #include "common/dtype_convert.h"
 #include "common/field_violation.h"
 #include "google/protobuf/io/zero_copy_stream_impl.h"
@@ -327,9 +326,8 @@ absl::Status CopyFinitePieces(DType dtype,
         return CopyFinite(dtype, elements, count, dst + offset);
       });
   if (bad == kEveryElementVisited) return absl::OkStatus();
-  return FieldViolationError(
-      "hidden_states.data", absl::StrCat("must be finite, row ",
-                                         bad / row_bytes, " holds NaN or Inf"));
+  return NonFiniteRowError("hidden_states.data",
+                           static_cast<int64_t>(bad / row_bytes));
 }
 
 }  // namespace flashsampler

@@ -141,9 +141,7 @@ absl::Status CopyFiniteRows(DType dtype, const char* src, int rows,
       return Shrunk("hidden_states.shared_memory");
     }
     if (bad >= 0) {
-      return FieldViolationError(
-          "hidden_states.shared_memory",
-          absl::StrCat("must be finite, row ", bad, " holds NaN or Inf"));
+      return NonFiniteRowError("hidden_states.shared_memory", bad);
     }
   }
   return absl::OkStatus();
