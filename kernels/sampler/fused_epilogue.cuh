@@ -1006,29 +1006,36 @@ __device__ __forceinline__ float UnitKeyValue(uint32_t key) {
 
 constexpr float kLog2e = 1.44269504f;  // log2 e, rounded to fp32
 
-// The UnitCandidates::token_classes word of the unit a lane ranks in the
-// quad of the 16 columns from col0 (StoreStagedQuadUnits), or 0xffff (every
-// row ranked) where the launch has no classes or writes no units, or the
-// lane's column or unit is past the batch or the shard. The epilogue loads
-// the next quad's word while it scores the current quad, so that the
-// load's latency hides behind a quad's scoring: loaded where it is used,
-// a row of classes per batch row (9.7 MB at qwen B = 256) took every
-// control with raw logprobs there to 685-696 us against 652-673 (H100,
-// alternating runs; docs/performance.md).
+// Column b's UnitCandidates::token_classes word for shard rows first_row ..
+// first_row + 15, or null where the launch has no classes or writes no
+// units, or b or first_row is past the batch or the shard.
+__device__ __forceinline__ const uint32_t* UnitClassesWordAt(
+    int b, int64_t first_row, const FusedArgs& args) {
+  const UnitCandidates& units = args.unit_candidates;
+  if (units.token_classes == nullptr || units.records == nullptr ||
+      b >= args.batch || first_row >= args.vocab_rows) {
+    return nullptr;
+  }
+  const int64_t class_row = units.token_classes_shared ? 0 : b;
+  return units.token_classes +
+         class_row * UnitClassWordsPerRow(args.vocab_rows) + first_row / 16;
+}
+
+// The token-classes word of the unit a lane ranks in the quad of the 16
+// columns from col0 (StoreStagedQuadUnits), or 0xffff (every row ranked)
+// where UnitClassesWordAt has none. The epilogue loads the next quad's word
+// while it scores the current quad, so that the load's latency hides
+// behind a quad's scoring: loaded where it is used, a row of classes per
+// batch row (9.7 MB at qwen B = 256) took every control with raw logprobs
+// there to 685-696 us against 652-673 (H100, alternating runs;
+// docs/performance.md).
 __device__ __forceinline__ uint32_t LaneUnitClasses(int64_t row0, int col0,
                                                     int batch_base,
                                                     const FusedArgs& args) {
-  const UnitCandidates& units = args.unit_candidates;
   const int half = threadIdx.x & 1;
-  const int b = batch_base + col0 + StagedLaneColumn();
-  const int64_t first_row = row0 + 64 * half;
-  if (units.token_classes == nullptr || units.records == nullptr ||
-      b >= args.batch || first_row >= args.vocab_rows) {
-    return 0xffffu;
-  }
-  const int64_t class_row = units.token_classes_shared ? 0 : b;
-  return units.token_classes[class_row * UnitClassWordsPerRow(args.vocab_rows) +
-                             first_row / 16];
+  const uint32_t* word = UnitClassesWordAt(
+      batch_base + col0 + StagedLaneColumn(), row0 + 64 * half, args);
+  return word != nullptr ? *word : 0xffffu;
 }
 
 // Brings into L2 the token-classes words of column b for the 128 rows of
@@ -1044,16 +1051,11 @@ __device__ __forceinline__ uint32_t LaneUnitClasses(int64_t row0, int col0,
 // for all rows stays in L1 and L2 without it.
 __device__ __forceinline__ void PrefetchPieceUnitClasses(
     int64_t tile, int b, const FusedArgs& args) {
-  const UnitCandidates& units = args.unit_candidates;
-  if (units.token_classes == nullptr || units.records == nullptr ||
-      units.token_classes_shared || b >= args.batch) {
-    return;
+  if (args.unit_candidates.token_classes_shared) return;
+  const uint32_t* words = UnitClassesWordAt(b, tile * kTileRows, args);
+  if (words != nullptr) {
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(words));
   }
-  const int64_t words = UnitClassWordsPerRow(args.vocab_rows);
-  const int64_t first = tile * kTileRows / 16;
-  if (first >= words) return;
-  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(
-      units.token_classes + b * words + first));
 }
 
 // Writes a staged quad's unit candidates (FusedSampleParams::
