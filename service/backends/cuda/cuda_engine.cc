@@ -94,14 +94,6 @@ constexpr int kUnitCandidatesPauseBatches = 16;
 // batch with more takes its logits.
 constexpr size_t kClassInputBytes = size_t{4} << 20;
 
-// Token classes' inputs up to this size (a few thousand ids: a request's
-// lists, or a few rows' each) are copied on rank 0's stream, one call where
-// the copy stream's copy, event and wait take three; larger ones beside, so
-// that they travel while rank 0's stream waits out the other slot's
-// sampler. Each call costs 6-16 us of host time on a virtual machine, all
-// of it before the batch's fused kernel is launched.
-constexpr size_t kClassInputsOnRootStreamBytes = size_t{16} << 10;
-
 // A batch with bitmask rows whose tails the units sum (raw logprobs, or
 // top_p that top_k does not bound: NeedsBitmaskInClasses) copies their
 // bitmasks before the fused kernel, so that the token classes leave masked
@@ -220,7 +212,7 @@ struct Slot {
   // plain_graphs replay a plain batch with one sample a row (its input
   // copy, stage 1 and token copy), units_graphs the input copy and stage 1
   // of a controlled batch served from unit candidates whose other rows take
-  // one sample, classified_graphs the same after the token classes' kernel,
+  // one sample, classified_graphs the same with the token classes' kernel,
   // ranked by a row of classes each, classified_shared_graphs by one row of
   // classes for all (classes_shared). Each is recorded on that size's first
   // batch.
@@ -248,11 +240,11 @@ struct Slot {
   // unit: at qwen B = 256 with every control and raw logprobs, 1.34 against
   // 1.24x the plain kernel (H100, call for call).
   bool classes_shared = false;
-  // The token classes' kernel is the first call of the batch's stage 1
-  // (EnqueueStage1), where it reads no bitmask: its arguments then depend
-  // on the batch's size and classes_shared alone, so the classified graphs
-  // hold it. Else PrepareTokenClasses launches it.
-  bool classes_in_stage1 = false;
+  // The token classes' kernel (queued by EnqueueStage1 after the input
+  // copy) reads no bitmask: its arguments then depend on the batch's size
+  // and classes_shared alone, so the classified graphs hold it. A batch
+  // whose classes read bitmasks goes call by call.
+  bool classes_replayable = false;
   ControlledSampleParams class_params;  // into device_class_inputs
   TokenClassInputs class_inputs;
   void* host_class_inputs = nullptr;
@@ -263,13 +255,17 @@ struct Slot {
   void* host_outputs = nullptr;  // pinned ControlledOutputLayout at capacity
   void* device_outputs = nullptr;
   // One GPU: recorded on rank 0's stream after this slot's controlled
-  // sampler; the other slot's next batch waits on it before its stage 1
-  // (CudaEngine::Sample says why).
+  // sampler; the other slot's next batch waits on it before its fused
+  // kernel (CudaEngine::Sample says why).
   cudaEvent_t sampler_done = nullptr;
+  // The other slots' sampler_done still pending as this slot's batch
+  // began: its stage 1 queues its copies and the token classes' kernel,
+  // then waits for them before the fused kernel (EnqueueStage1), call by
+  // call. Emptied once waited for.
+  std::vector<cudaEvent_t> samplers_ahead;
   // Rank 0: the packed controls' copy runs here, beside the fused kernel on
   // rank 0's stream, which waits for it (controls_copied) only before the
-  // sampler (RunControlled), and the token classes' inputs, which it
-  // waits for before the classes' kernel (PrepareTokenClasses).
+  // sampler (RunControlled).
   cudaStream_t controls_stream = nullptr;
   cudaEvent_t controls_copied = nullptr;
   // Host packing state, reused batch after batch (no allocation once warm).
@@ -359,9 +355,10 @@ class CudaEngine final : public Engine {
   absl::Status RunChunk(Slot& slot, int first_row, int rows, int num_samples,
                         Stage1Output output);
   // Queues the copy of the staging buffer's first `rows` rows (and every
-  // row's parameters) to every rank, then stage 1 over them in row chunks
-  // of at most capacity_pairs_ / num_samples rows; kClassifiedUnits with
-  // slot.classes_in_stage1: the token classes' kernel first.
+  // row's parameters) to every rank, the token classes' kernel
+  // (kClassifiedUnits), the waits for slot.samplers_ahead, then stage 1
+  // over the rows in row chunks of at most capacity_pairs_ / num_samples
+  // rows.
   absl::Status EnqueueStage1(Slot& slot, int rows, int num_samples,
                              Stage1Output output);
   // Queues stage 1 and the token copy of a plain batch of `rows` rows with
@@ -412,23 +409,17 @@ class CudaEngine final : public Engine {
   absl::Status UploadControls(Slot& slot, const BatchView& batch,
                               const std::vector<char>& valid, int first,
                               int end, bool beside);
-  // Queues the copy of `bytes` from pinned `host` to `device` on the slot's
-  // copy stream and makes rank 0's stream wait for it: the copy runs beside
-  // whatever rank 0's stream is doing, or waiting for (the other slot's
-  // sampler), and what rank 0 queues next reads it.
-  absl::Status CopyBesideRootStream(Slot& slot, void* device, const void* host,
-                                    size_t bytes, const char* what);
   // Makes rank 0's stream wait for what the slot's copy stream has queued.
   absl::Status RootStreamWaitsForCopies(Slot& slot);
   // Before stage 1 of a batch served from unit candidates with per-token
   // entries, or with bitmask rows whose tails are summed (with_bitmask):
   // copies the rows' entry ids, and with_bitmask their bitmasks
   // (TokenClassInputs, nothing merged: the sampler's packing follows the
-  // fused kernel's launch), and queues the token classes' kernel (one row
-  // of classes where every row has the same params: slot.classes_shared),
-  // or leaves it to stage 1 where it reads no bitmask
-  // (slot.classes_in_stage1). False in *classified where those exceed
-  // kClassInputBytes (the batch then takes its logits).
+  // fused kernel's launch), on rank 0's stream, and binds the token
+  // classes' kernel's arguments (one row of classes where every row has
+  // the same params: slot.classes_shared), which stage 1 launches. False
+  // in *classified where those exceed kClassInputBytes (the batch then
+  // takes its logits).
   absl::Status PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                    const std::vector<char>& valid,
                                    bool with_bitmask, bool* classified);
@@ -1022,13 +1013,6 @@ absl::Status CudaEngine::EnqueueStage1(Slot& slot, int rows, int num_samples,
   const size_t copy_bytes = params_bytes_ + static_cast<size_t>(rows) *
                                                 info_.hidden_size *
                                                 element_bytes_;
-  if (output == Stage1Output::kClassifiedUnits && slot.classes_in_stage1) {
-    FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-    FS_RETURN_IF_ERROR(
-        Check(LaunchUnitTokenClasses(slot.class_params, slot.unit_token_classes,
-                                     slot.ranks[0].stream),
-              "LaunchUnitTokenClasses"));
-  }
   for (size_t r = 0; r < ranks_.size(); ++r) {
     FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[r].device), "cudaSetDevice"));
     FS_RETURN_IF_ERROR(Check(
@@ -1036,6 +1020,23 @@ absl::Status CudaEngine::EnqueueStage1(Slot& slot, int rows, int num_samples,
                         cudaMemcpyHostToDevice, slot.ranks[r].stream),
         "cudaMemcpyAsync(input)"));
   }
+  FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
+  if (output == Stage1Output::kClassifiedUnits) {
+    FS_RETURN_IF_ERROR(
+        Check(LaunchUnitTokenClasses(slot.class_params, slot.unit_token_classes,
+                                     slot.ranks[0].stream),
+              "LaunchUnitTokenClasses"));
+  }
+  // The copies and the token classes' kernel go before the wait: they run
+  // while the other slot's fused kernel and sampler do, where after it they
+  // would hold up this batch's fused kernel with the GPU idle (a 64-row
+  // batch's 0.5 MB of hidden states and the classes' 7 us, qwen, H100).
+  for (cudaEvent_t sampler : slot.samplers_ahead) {
+    FS_RETURN_IF_ERROR(
+        Check(cudaStreamWaitEvent(slot.ranks[0].stream, sampler, 0),
+              "cudaStreamWaitEvent"));
+  }
+  slot.samplers_ahead.clear();
   const int rows_per_chunk =
       static_cast<int>(std::max<int64_t>(1, capacity_pairs_ / num_samples));
   for (int first = 0; first < rows; first += rows_per_chunk) {
@@ -1094,15 +1095,16 @@ absl::Status CudaEngine::RecordStage1Graph(Slot& slot, int rows,
 absl::Status CudaEngine::LaunchBatchStage1(Slot& slot, int rows,
                                            int num_samples,
                                            Stage1Output output) {
-  // Where a classified batch's token classes read a bitmask,
-  // PrepareTokenClasses launched their kernel with the offsets of this
-  // batch's bitmask words: its stage 1 goes call by call.
+  // Where a classified batch's token classes read a bitmask, their
+  // kernel takes the offsets of this batch's bitmask words, and a batch
+  // that waits for another slot's sampler waits between its copies and its
+  // fused kernel: their stage 1 goes call by call.
   if (!options_.replay_graphs || ranks_.size() != 1 || num_samples != 1 ||
-      output == Stage1Output::kLogits ||
-      (output == Stage1Output::kClassifiedUnits && !slot.classes_in_stage1)) {
+      output == Stage1Output::kLogits || !slot.samplers_ahead.empty() ||
+      (output == Stage1Output::kClassifiedUnits && !slot.classes_replayable)) {
     return EnqueueBatchStage1(slot, rows, num_samples, output);
   }
-  // A classified batch's stage 1 (the token classes' kernel first) reads
+  // A classified batch's stage 1 (its token classes' kernel included) reads
   // the slot's token classes, a row of them each or one for all: two
   // recordings of each size.
   Stage1Graphs& graphs =
@@ -1154,7 +1156,7 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
                                              bool with_bitmask,
                                              bool* classified) {
   *classified = false;
-  slot.classes_in_stage1 = false;
+  slot.classes_replayable = false;
   // One request's rows (one params, every row controlled): one row of
   // classes, its first's, which every row ranks by.
   slot.classes_shared = batch.rows > 1;
@@ -1167,28 +1169,20 @@ absl::Status CudaEngine::PrepareTokenClasses(Slot& slot, const BatchView& batch,
   const size_t bytes = slot.class_inputs.byte_size();
   if (bytes > kClassInputBytes) return absl::OkStatus();
   slot.class_inputs.WriteBytes(slot.host_class_inputs);
+  // On rank 0's stream, which is idle here (the slot's last batch is done
+  // and a wait for another slot's sampler comes after stage 1's copies):
+  // one call where a copy beside it, its event and the wait take three,
+  // each 6-16 us of host time on a virtual machine.
   FS_RETURN_IF_ERROR(Check(cudaSetDevice(ranks_[0].device), "cudaSetDevice"));
-  if (bytes <= kClassInputsOnRootStreamBytes) {
-    FS_RETURN_IF_ERROR(Check(
-        cudaMemcpyAsync(slot.device_class_inputs, slot.host_class_inputs, bytes,
-                        cudaMemcpyHostToDevice, slot.ranks[0].stream),
-        "cudaMemcpyAsync(token classes)"));
-  } else {
-    FS_RETURN_IF_ERROR(CopyBesideRootStream(slot, slot.device_class_inputs,
-                                            slot.host_class_inputs, bytes,
-                                            "cudaMemcpyAsync(token classes)"));
-  }
+  FS_RETURN_IF_ERROR(Check(
+      cudaMemcpyAsync(slot.device_class_inputs, slot.host_class_inputs, bytes,
+                      cudaMemcpyHostToDevice, slot.ranks[0].stream),
+      "cudaMemcpyAsync(token classes)"));
   slot.class_inputs.BindInputs(slot.device_class_inputs, info_.vocab_size,
                                &slot.class_params);
   *classified = true;
-  if (slot.class_params.bitmask == nullptr) {
-    slot.classes_in_stage1 = true;
-    return absl::OkStatus();
-  }
-  return Check(
-      LaunchUnitTokenClasses(slot.class_params, slot.unit_token_classes,
-                             slot.ranks[0].stream),
-      "LaunchUnitTokenClasses");
+  slot.classes_replayable = slot.class_params.bitmask == nullptr;
+  return absl::OkStatus();
 }
 
 absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
@@ -1222,16 +1216,6 @@ absl::Status CudaEngine::UploadControls(Slot& slot, const BatchView& batch,
   FS_RETURN_IF_ERROR(Check(LaunchMergePendingEntries(merges, stream),
                            "LaunchMergePendingEntries"));
   return beside ? RootStreamWaitsForCopies(slot) : absl::OkStatus();
-}
-
-absl::Status CudaEngine::CopyBesideRootStream(Slot& slot, void* device,
-                                              const void* host, size_t bytes,
-                                              const char* what) {
-  FS_RETURN_IF_ERROR(
-      Check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice,
-                            slot.controls_stream),
-            what));
-  return RootStreamWaitsForCopies(slot);
 }
 
 absl::Status CudaEngine::RootStreamWaitsForCopies(Slot& slot) {
@@ -1570,20 +1554,24 @@ absl::Status CudaEngine::Sample(const BatchView& batch,
     FS_RETURN_IF_ERROR(
         Check(LaunchTrapKernel(slot.ranks[0].stream), "LaunchTrapKernel"));
   }
-  SlotRank& root = slot.ranks[0];
+  slot.samplers_ahead.clear();
   if (ranks_.size() == 1 && sampler_recorded_.load(std::memory_order_acquire)) {
     // A batch queued beside a controlled one waits for that batch's
-    // sampler: else its fused kernel, queued first, takes every SM as the
-    // other's fused kernel ends, and the other's sampler kernels wait the
-    // whole kernel out behind it (64 single-row callers with controls on
-    // an H100: 44.9k against 41.1k requests/s). Under tensor parallelism
-    // rank 0's stage 1 meets the other ranks' in the exchange, so it is not
-    // held back alone.
+    // sampler before its fused kernel: else its fused kernel, queued first,
+    // takes every SM as the other's fused kernel ends, and the other's
+    // sampler kernels wait the whole kernel out behind it (64 single-row
+    // callers with controls on an H100: 44.9k against 41.1k requests/s).
+    // Under tensor parallelism rank 0's stage 1 meets the other ranks' in
+    // the exchange, so it is not held back alone. A sampler already done
+    // is not waited for, and the batch may replay its recorded stage 1.
     for (const Slot& other : slots_) {
       if (&other == &slot) continue;
-      FS_RETURN_IF_ERROR(
-          Check(cudaStreamWaitEvent(root.stream, other.sampler_done, 0),
-                "cudaStreamWaitEvent"));
+      const cudaError_t done = cudaEventQuery(other.sampler_done);
+      if (done == cudaErrorNotReady) {
+        slot.samplers_ahead.push_back(other.sampler_done);
+      } else {
+        FS_RETURN_IF_ERROR(Check(done, "cudaEventQuery"));
+      }
     }
   }
   if (controlled) {
