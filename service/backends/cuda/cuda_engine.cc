@@ -370,10 +370,11 @@ class CudaEngine final : public Engine {
   absl::Status EnqueueBatchStage1(Slot& slot, int rows, int num_samples,
                                   Stage1Output output);
   // EnqueueBatchStage1 as one graph launch where it can be (one GPU, one
-  // sample a row, kTokens, kUnits or kClassifiedUnits;
-  // CudaEngineOptions::replay_graphs), recorded into the slot's graphs of
-  // that output on that size's first batch; call by call otherwise, and
-  // where the driver will not record it.
+  // sample a row, kTokens, kUnits or kClassifiedUnits whose token classes
+  // read no bitmask, no other slot's sampler to wait for:
+  // slot.samplers_ahead; CudaEngineOptions::replay_graphs), recorded into
+  // the slot's graphs of that output on that size's first batch; call by
+  // call otherwise, and where the driver will not record it.
   absl::Status LaunchBatchStage1(Slot& slot, int rows, int num_samples,
                                  Stage1Output output);
   // Records EnqueueBatchStage1(slot, rows, 1, output) into `exec`.

@@ -43,8 +43,10 @@ struct CudaEngineOptions {
   // docs/performance.md#service). A controlled batch served from unit
   // candidates whose other rows take one sample replays its input copy and
   // fused kernel the same way (the sampler's launches, whose packed
-  // controls change from batch to batch, follow call by call). Off: every
-  // batch enqueues them one by one (the tests compare the two).
+  // controls change from batch to batch, follow call by call). A batch
+  // that waits for another slot's sampler between its copies and its fused
+  // kernel goes call by call. Off: every batch enqueues them one by one
+  // (the tests compare the two).
   bool replay_graphs = true;
   // One GPU with the wgmma kernel (sm_90): a controlled batch whose
   // controlled rows the units can serve (ServedFromUnitCandidates: a filter
