@@ -34,6 +34,10 @@ ABSL_FLAG(int, max_shared_memory_regions, 0,
 ABSL_FLAG(int, slots, 2, "batches in flight at once");
 ABSL_FLAG(int, sample_threads, flashsampler::ServerOptions().sample_threads,
           "threads that serve unary Sample() calls, a completion queue each");
+ABSL_FLAG(absl::Duration, sample_poll_spin,
+          flashsampler::ServerOptions().sample_poll_spin,
+          "how long a Sample thread that just ran the batch itself polls "
+          "without sleeping (0: never)");
 ABSL_FLAG(int, parse_threads, flashsampler::ServerOptions().parse_threads,
           "threads that help parse large row_params (0: the handler alone)");
 ABSL_FLAG(absl::Duration, engine_delay, absl::ZeroDuration(),
@@ -107,6 +111,7 @@ int Main(int argc, char** argv) {
   options.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
   options.parse_threads = absl::GetFlag(FLAGS_parse_threads);
   options.sample_threads = absl::GetFlag(FLAGS_sample_threads);
+  options.sample_poll_spin = absl::GetFlag(FLAGS_sample_poll_spin);
   options.max_shared_memory_regions =
       absl::GetFlag(FLAGS_max_shared_memory_regions);
   options.drain_timeout = absl::Seconds(5);

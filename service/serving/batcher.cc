@@ -145,8 +145,10 @@ absl::Status Batcher::Submit(std::unique_ptr<BatchItem> item) {
   return absl::OkStatus();
 }
 
-absl::Status Batcher::SubmitOrRun(std::unique_ptr<BatchItem> item) {
+absl::Status Batcher::SubmitOrRun(std::unique_ptr<BatchItem> item,
+                                  bool* left_idle) {
   constexpr int kSlot = 0;
+  if (left_idle != nullptr) *left_idle = false;
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = Admit(*item); !s.ok()) return s;
@@ -180,7 +182,10 @@ absl::Status Batcher::SubmitOrRun(std::unique_ptr<BatchItem> item) {
   absl::MutexLock lock(&mu_);
   --inline_running_;
   --running_;
-  if (queue_.empty() && running_ == 0) idle_cv_.SignalAll();
+  if (queue_.empty() && running_ == 0) {
+    idle_cv_.SignalAll();
+    if (left_idle != nullptr) *left_idle = true;
+  }
   return absl::OkStatus();
 }
 

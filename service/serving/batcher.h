@@ -97,8 +97,11 @@ class Batcher {
   // backend at a real vocabulary), runs the item's batch on the calling
   // thread (on slot 0) and calls its Done() before returning OK: no batcher
   // thread is woken. At most one such batch runs at a time; requests that
-  // arrive meanwhile queue for the workers as usual.
-  absl::Status SubmitOrRun(std::unique_ptr<BatchItem> item);
+  // arrive meanwhile queue for the workers as usual. *left_idle (if given):
+  // whether the batch ran here and, once answered, left nothing queued or
+  // running (no other request arrived meanwhile).
+  absl::Status SubmitOrRun(std::unique_ptr<BatchItem> item,
+                           bool* left_idle = nullptr);
   // The longest last batch after which SubmitOrRun() still runs inline, so a
   // caller's thread (a Sample thread) is held no longer than about this: above
   // an H100's kernel at B <= 64 (0.21-0.43 ms), far below the CPU backend at a

@@ -65,6 +65,9 @@ ABSL_FLAG(int, parse_threads, kDefaults.parse_threads,
 ABSL_FLAG(int, sample_threads, kDefaults.sample_threads,
           "Threads that serve unary Sample() calls, each polling its own gRPC "
           "completion queue (1 to 256)");
+ABSL_FLAG(absl::Duration, sample_poll_spin, kDefaults.sample_poll_spin,
+          "How long a Sample thread that just ran an idle engine's batch "
+          "polls for the next call without sleeping (0: never; at most 10ms)");
 ABSL_FLAG(int, max_shared_memory_regions, kDefaults.max_shared_memory_regions,
           "Shared-memory regions same-host callers may register for their "
           "hidden states (0: none; any object under /dev/shm the daemon can "
@@ -127,6 +130,7 @@ flashsampler::ServerOptions OptionsFromFlags() {
   o.max_stream_in_flight = absl::GetFlag(FLAGS_max_stream_in_flight);
   o.parse_threads = absl::GetFlag(FLAGS_parse_threads);
   o.sample_threads = absl::GetFlag(FLAGS_sample_threads);
+  o.sample_poll_spin = absl::GetFlag(FLAGS_sample_poll_spin);
   o.max_shared_memory_regions = absl::GetFlag(FLAGS_max_shared_memory_regions);
   o.limits.max_samples_per_row = absl::GetFlag(FLAGS_max_samples_per_row);
   o.limits.max_top_logprobs = absl::GetFlag(FLAGS_max_top_logprobs);

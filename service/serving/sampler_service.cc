@@ -1,6 +1,7 @@
-// The Sampler service's reactors. Unary Sample uses the context's default
-// reactor, finished by a batcher thread or, when the engine is idle, in the
-// handler itself; SampleStream has its own reactor
+// The Sampler service's calls and reactors. Unary Sample is a
+// UnarySampleCall on a completion queue that a Sample thread polls, answered
+// by a batcher thread or, when the engine is idle, by that thread itself;
+// SampleStream has its own reactor
 // that keeps accepted requests in arrival order and writes each answer once
 // it and every earlier one are ready (one outstanding write at a time).
 #include "service/serving/sampler_service.h"
@@ -15,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "common/status_util.h"
 #include "google/protobuf/arena.h"
+#include "grpc/support/time.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "service/serving/request_wire.h"
 
@@ -563,6 +565,7 @@ SamplerService::SamplerService(Batcher* batcher, Metrics* metrics,
                                CodecConfig codec, v1::ModelInfo model_info,
                                int max_stream_in_flight, int parse_threads,
                                int sample_threads,
+                               absl::Duration sample_poll_spin,
                                SharedMemoryRegistry* shared_memory)
     : batcher_(batcher),
       metrics_(metrics),
@@ -570,6 +573,7 @@ SamplerService::SamplerService(Batcher* batcher, Metrics* metrics,
       model_info_(std::move(model_info)),
       max_stream_in_flight_(std::max(1, max_stream_in_flight)),
       sample_threads_(sample_threads),
+      sample_poll_spin_(sample_poll_spin),
       shared_memory_(shared_memory),
       parse_pool_(parse_threads) {}
 
@@ -629,7 +633,24 @@ void SamplerService::ListenForSample(SampleQueue* queue) {
 void SamplerService::PollSampleQueue(SampleQueue* queue) {
   void* tag = nullptr;
   bool ok = false;
-  while (queue->cq->Next(&tag, &ok)) {
+  // Until when this thread polls without sleeping (it holds
+  // sample_queue_spinning_ until then); infinite past: it sleeps in Next().
+  absl::Time spin_until = absl::InfinitePast();
+  while (true) {
+    grpc::CompletionQueue::NextStatus next;
+    if (spin_until != absl::InfinitePast()) {
+      next = queue->cq->AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
+      if (next == grpc::CompletionQueue::TIMEOUT) {
+        if (absl::Now() < spin_until) continue;
+        spin_until = absl::InfinitePast();
+        sample_queue_spinning_.store(false, std::memory_order_release);
+        continue;
+      }
+    } else {
+      next = queue->cq->Next(&tag, &ok) ? grpc::CompletionQueue::GOT_EVENT
+                                        : grpc::CompletionQueue::SHUTDOWN;
+    }
+    if (next == grpc::CompletionQueue::SHUTDOWN) break;
     auto* event = static_cast<UnarySampleCall::Tag*>(tag);
     UnarySampleCall* call = event->call;
     if (call->OnEvent(event->event, ok)) {
@@ -641,13 +662,27 @@ void SamplerService::PollSampleQueue(SampleQueue* queue) {
       // connection: 1,404 requests/s with 16 calls asked for ahead against
       // 2,132 on gRPC's callback API (H100); one at a time, as many as
       // there.
-      HandleSample(call);
+      const bool left_idle = HandleSample(call);
       ListenForSample(queue);
+      // A batch run here that no other request arrived beside: the caller,
+      // likely the only one, sends its next call about a round trip later.
+      // Polled without sleeping, it is taken without a wake-up. Under load
+      // another request nearly always arrives beside the batch: no spin.
+      if (left_idle && sample_poll_spin_ > absl::ZeroDuration()) {
+        const bool holding = spin_until != absl::InfinitePast();
+        if (holding ||
+            !sample_queue_spinning_.exchange(true, std::memory_order_acquire)) {
+          spin_until = absl::Now() + sample_poll_spin_;
+        }
+      }
     }
+  }
+  if (spin_until != absl::InfinitePast()) {
+    sample_queue_spinning_.store(false, std::memory_order_release);
   }
 }
 
-void SamplerService::HandleSample(UnarySampleCall* call) {
+bool SamplerService::HandleSample(UnarySampleCall* call) {
   auto item = std::make_unique<QueuedSample>(call, metrics_);
   absl::Status status;
   if (!ParseWireRequest(*call->request(), &parse_pool_, item->wire())) {
@@ -661,12 +696,14 @@ void SamplerService::HandleSample(UnarySampleCall* call) {
     Describe(*item->decoded(), call->deadline(), item.get());
     // An idle engine runs the batch right here, and Done() answers the call
     // before this returns; else a batcher thread answers it.
-    status = batcher_->SubmitOrRun(std::move(item));
-    if (status.ok()) return;
+    bool left_idle = false;
+    status = batcher_->SubmitOrRun(std::move(item), &left_idle);
+    if (status.ok()) return left_idle;
   }
   metrics_->ObserveRequest(kRpcSample, status.code(),
                            SecondsSince(call->start()));
   call->Answer(status);
+  return false;
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*

@@ -14,6 +14,7 @@
 #ifndef FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
 #define FLASHSAMPLER_SERVICE_SERVING_SAMPLER_SERVICE_H_
 
+#include <atomic>
 #include <memory>
 #include <set>
 #include <thread>
@@ -21,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/thread_pool.h"
 #include "flashsampler/v1/sampler.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -51,10 +53,14 @@ class SamplerService final : public SamplerServiceBase {
   // GetModelInfo returns.
   // `parse_threads` help handlers parse large row_params (Sample and
   // SampleStream; ServerOptions::parse_threads). `sample_threads` poll the
-  // completion queues of unary Sample (ServerOptions::sample_threads).
+  // completion queues of unary Sample (ServerOptions::sample_threads), one of
+  // them at a time polling without sleeping for `sample_poll_spin` after it
+  // ran a batch itself and left the engine idle
+  // (ServerOptions::sample_poll_spin).
   SamplerService(Batcher* batcher, Metrics* metrics, CodecConfig codec,
                  v1::ModelInfo model_info, int max_stream_in_flight,
                  int parse_threads, int sample_threads,
+                 absl::Duration sample_poll_spin,
                  SharedMemoryRegistry* shared_memory = nullptr);
   ~SamplerService() override;  // StopSampleThreads()
 
@@ -108,8 +114,9 @@ class SamplerService final : public SamplerServiceBase {
   // Asks `queue` for the next unary Sample call (no-op once shut down).
   void ListenForSample(SampleQueue* queue);
   // A call that arrived: decodes it and hands it to the batcher, or answers
-  // it at once.
-  void HandleSample(UnarySampleCall* call);
+  // it at once. True when its batch ran on this thread and no other request
+  // arrived meanwhile (Batcher::SubmitOrRun's left_idle).
+  bool HandleSample(UnarySampleCall* call);
   // The polling thread: one queue's events until it is shut down and empty.
   void PollSampleQueue(SampleQueue* queue);
 
@@ -126,6 +133,9 @@ class SamplerService final : public SamplerServiceBase {
   const v1::ModelInfo model_info_;
   const int max_stream_in_flight_;
   const int sample_threads_;
+  const absl::Duration sample_poll_spin_;
+  // Set while a Sample thread polls without sleeping: at most one does.
+  std::atomic<bool> sample_queue_spinning_{false};
   SharedMemoryRegistry* const shared_memory_;
   ThreadPool parse_pool_;
   std::vector<std::unique_ptr<SampleQueue>> sample_queues_;

@@ -51,6 +51,9 @@ constexpr char kServiceName[] = "flashsampler.v1.Sampler";
 constexpr int kMaxSharedMemoryRegions = 65536;
 // ServerOptions::sample_threads' bound: far above any host's cores.
 constexpr int kMaxSampleThreads = 256;
+// ServerOptions::sample_poll_spin's bound: a spin is for the gap between a
+// caller's answer and its next call, not for an idle daemon.
+constexpr absl::Duration kMaxSamplePollSpin = absl::Milliseconds(10);
 
 // A TLS file's contents, or an error naming the flag, the path and what is
 // wrong (missing, a directory, unreadable, empty).
@@ -382,6 +385,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::CreateImpl(
         absl::StrCat("sample_threads: must be in [1, ", kMaxSampleThreads,
                      "], got ", options.sample_threads));
   }
+  if (options.sample_poll_spin < absl::ZeroDuration() ||
+      options.sample_poll_spin > kMaxSamplePollSpin) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sample_poll_spin: must be in [0, ",
+                     absl::FormatDuration(kMaxSamplePollSpin), "], got ",
+                     absl::FormatDuration(options.sample_poll_spin)));
+  }
   if (options.unix_socket.size() >= sizeof(sockaddr_un::sun_path)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unix_socket: the path must be shorter than ",
@@ -451,7 +461,7 @@ Server::Server(const ServerOptions& options,
   service_ = std::make_unique<SamplerService>(
       batcher_.get(), metrics_.get(), std::move(codec), model_,
       options_.max_stream_in_flight, options_.parse_threads,
-      options_.sample_threads, shared_memory_.get());
+      options_.sample_threads, options_.sample_poll_spin, shared_memory_.get());
 
   metrics_->SetWeightsInfo(info.vocab_size, info.hidden_size,
                            DTypeName(info.weight_dtype),

@@ -38,6 +38,7 @@ constexpr absl::Duration kWait = absl::Seconds(10);
 // What a test item's Done() saw; also owns the item's rows and specs.
 struct Outcome {
   absl::Notification done;
+  absl::Notification done_entered;  // Done() was called (it may block)
   absl::Status status;
   std::vector<RowResult> results;
   BatchTiming timing;
@@ -57,6 +58,7 @@ class TestItem final : public BatchItem {
   bool IsCancelled() const override { return outcome_->cancelled; }
   void Done(const absl::Status& status, std::vector<RowResult> results,
             const BatchTiming& timing) override {
+    outcome_->done_entered.Notify();
     if (block_done_ != nullptr) block_done_->WaitForNotification();
     outcome_->status = status;
     outcome_->results = std::move(results);
@@ -133,6 +135,19 @@ struct Fixture {
   std::atomic<int> fatal_calls{0};
   Batcher batcher;
 };
+
+FakeEngineOptions TwoSlots() {
+  FakeEngineOptions engine;
+  engine.slots = 2;
+  return engine;
+}
+
+// overlap_min_rows 0: a free slot launches whatever is queued.
+BatcherOptions AnyFreeSlotLaunches() {
+  BatcherOptions options;
+  options.overlap_min_rows = 0;
+  return options;
+}
 
 TEST(BatcherTest, SubmitBeforeStartIsUnavailableLoading) {
   Fixture f;
@@ -393,11 +408,7 @@ TEST(BatcherTest, ConvertsIntoTheEngineInputDtype) {
 // With overlap_min_rows 0, a free slot takes a single queued row beside the
 // executing batch.
 TEST(BatcherTest, OneWorkerPerSlotRunsBatchesConcurrently) {
-  FakeEngineOptions engine;
-  engine.slots = 2;
-  BatcherOptions options;
-  options.overlap_min_rows = 0;
-  Fixture f(engine, options);
+  Fixture f(TwoSlots(), AnyFreeSlotLaunches());
   f.batcher.Start();
   f.state->CloseGate();
   std::shared_ptr<Outcome> a, b;
@@ -415,11 +426,9 @@ TEST(BatcherTest, OneWorkerPerSlotRunsBatchesConcurrently) {
 // rows than that stay queued (a second slot is free), and they launch
 // together once enough have come or the executing batch returns.
 TEST(BatcherTest, RowsBelowOverlapMinRowsWaitForTheExecutingBatch) {
-  FakeEngineOptions engine;
-  engine.slots = 2;
   BatcherOptions options;
   options.overlap_min_rows = 3;
-  Fixture f(engine, options);
+  Fixture f(TwoSlots(), options);
   f.batcher.Start();
   f.state->CloseGate();
   std::shared_ptr<Outcome> a, b, c, d, e;
@@ -440,11 +449,9 @@ TEST(BatcherTest, RowsBelowOverlapMinRowsWaitForTheExecutingBatch) {
 }
 
 TEST(BatcherTest, RowsHeldBackByOverlapMinRowsGoWhenTheBatchReturns) {
-  FakeEngineOptions engine;
-  engine.slots = 2;
   BatcherOptions options;
   options.overlap_min_rows = 64;
-  Fixture f(engine, options);
+  Fixture f(TwoSlots(), options);
   f.batcher.Start();
   f.state->CloseGate();
   std::shared_ptr<Outcome> a, b, c;
@@ -462,12 +469,10 @@ TEST(BatcherTest, RowsHeldBackByOverlapMinRowsGoWhenTheBatchReturns) {
 // behind a 1-row one does not fit the same batch of 4, so the 1-row batch
 // is not worth a launch beside the executing one.
 TEST(BatcherTest, OverlapMinRowsCountsOnlyRowsThatFitTheNextBatch) {
-  FakeEngineOptions engine;
-  engine.slots = 2;
   BatcherOptions options;
   options.max_batch_rows = 4;
   options.overlap_min_rows = 3;
-  Fixture f(engine, options);
+  Fixture f(TwoSlots(), options);
   f.batcher.Start();
   f.state->CloseGate();
   std::shared_ptr<Outcome> a, b, c;
@@ -491,11 +496,9 @@ TEST(BatcherTest, OverlapMinRowsCountsOnlyRowsThatFitTheNextBatch) {
 // for it slept on after a fatal engine error emptied the queue, and Stop()
 // never returned.
 TEST(BatcherTest, StopReturnsWhenAFatalErrorEmptiesHeldBackRows) {
-  FakeEngineOptions engine;
-  engine.slots = 2;
   BatcherOptions options;
   options.overlap_min_rows = 32;
-  Fixture f(engine, options);
+  Fixture f(TwoSlots(), options);
   f.batcher.Start();
   f.state->CloseGate();
   std::shared_ptr<Outcome> running, held;
@@ -616,6 +619,48 @@ TEST(BatcherTest, SubmitOrRunQueuesAfterASlowBatch) {
   EXPECT_TRUE(after_fast->done.HasBeenNotified());
 }
 
+// left_idle: true for an inline batch that was alone from its launch to its
+// answer; false for one queued for a worker, and for an inline batch beside
+// which another request arrived (here still in the engine when the inline
+// batch's answer is done).
+TEST(BatcherTest, SubmitOrRunSaysWhetherItLeftTheEngineIdle) {
+  Fixture f(TwoSlots(), AnyFreeSlotLaunches());
+  f.batcher.Start();
+  std::shared_ptr<Outcome> unmeasured, alone, beside, other;
+  bool left_idle = true;
+  ASSERT_TRUE(
+      f.batcher.SubmitOrRun(MakeItem(&unmeasured, 1, 1), &left_idle).ok());
+  EXPECT_FALSE(left_idle);  // nothing measured yet: a worker ran it
+  ASSERT_TRUE(unmeasured->done.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(f.batcher.WaitIdle(absl::Now() + kWait));
+
+  ASSERT_TRUE(f.batcher.SubmitOrRun(MakeItem(&alone, 1, 2), &left_idle).ok());
+  ASSERT_TRUE(alone->done.HasBeenNotified());
+  EXPECT_TRUE(left_idle);
+
+  // The inline batch's answer waits for `release`; meanwhile another request
+  // arrives and its batch stops at the closed gate on slot 1.
+  absl::Notification release;
+  auto item = MakeItem(&beside, 1, 3);
+  item->BlockDoneUntil(&release);
+  bool beside_left_idle = true;
+  std::thread caller([&f, &item, &beside_left_idle] {
+    ASSERT_TRUE(f.batcher.SubmitOrRun(std::move(item), &beside_left_idle).ok());
+  });
+  ASSERT_TRUE(beside->done_entered.WaitForNotificationWithTimeout(kWait));
+  f.state->CloseGate();
+  ASSERT_TRUE(f.batcher.Submit(MakeItem(&other, 1, 4)).ok());
+  ASSERT_TRUE(f.state->WaitForWaiting(1, kWait));
+  release.Notify();
+  caller.join();
+  ASSERT_TRUE(beside->done.HasBeenNotified());
+  EXPECT_TRUE(beside->status.ok());
+  EXPECT_FALSE(beside_left_idle);
+  f.state->OpenGate();
+  ASSERT_TRUE(other->done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(other->status.ok());
+}
+
 // While an inline batch holds slot 0 its worker leaves the slot alone (one
 // slot: queued work waits), the batcher is not idle, draining refuses new
 // work, and Stop() waits for the inline batch.
@@ -653,11 +698,7 @@ TEST(BatcherTest, InlineBatchHoldsItsSlotAndCountsAsRunning) {
 // With two slots (and overlap_min_rows 0), work queued behind an inline
 // batch runs at once on the other slot.
 TEST(BatcherTest, InlineBatchLeavesTheOtherSlotToTheQueue) {
-  FakeEngineOptions engine;
-  engine.slots = 2;
-  BatcherOptions options;
-  options.overlap_min_rows = 0;
-  Fixture f(engine, options);
+  Fixture f(TwoSlots(), AnyFreeSlotLaunches());
   f.batcher.Start();
   MeasureTheEngine(f);
   f.state->Reset();

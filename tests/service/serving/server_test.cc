@@ -618,6 +618,48 @@ TEST(ServerTest, SampleThreadsOutOfRangeAreRefusedNamingTheField) {
   }
 }
 
+TEST(ServerTest, SamplePollSpinOutOfRangeIsRefusedNamingTheField) {
+  for (absl::Duration spin : {absl::Microseconds(-1), absl::Milliseconds(11)}) {
+    ServerOptions options = TestServerOptions();
+    options.sample_poll_spin = spin;
+    auto server = CreateOnFakeEngine(options);
+    ASSERT_FALSE(server.ok()) << spin;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(server.status().message()),
+                StartsWith("sample_poll_spin: "));
+  }
+}
+
+// A thread that polls without sleeping after its inline batch still takes
+// every call of its queue, the next caller's and another connection's alike,
+// and the server stops while it spins.
+TEST(ServerTest, ASpinningSampleThreadAnswersEveryCall) {
+  ServerOptions options = TestServerOptions();
+  options.sample_threads = 1;
+  options.sample_poll_spin = absl::Milliseconds(10);
+  FakeServer f = Start(options);
+  auto other_channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", f.server->port()),
+                          grpc::InsecureChannelCredentials());
+  auto other = v1::Sampler::NewStub(other_channel);
+  for (int i = 0; i < 40; ++i) {
+    const v1::SampleRequest request =
+        MakeRequest(1 + i % 3, kHidden, 7 * i + 1);
+    v1::SampleResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + kWait));
+    v1::Sampler::Stub* stub = i % 2 == 0 ? f.stub.get() : other.get();
+    const grpc::Status status = stub->Sample(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << i << ": " << status.error_message();
+    EXPECT_THAT(response.token_ids(),
+                ElementsAreArray(ExpectedFakeTokens(request, kVocab)))
+        << i;
+  }
+  const absl::Time stop = absl::Now();
+  f.server->Stop();
+  EXPECT_LT(absl::Now() - stop, kWait);
+}
+
 TEST(ServerTest, BadListenAddressFailsStart) {
   ServerOptions options = TestServerOptions();
   FakeServer first = Start(options);
