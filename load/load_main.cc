@@ -37,6 +37,9 @@ ABSL_FLAG(int, channels, 1,
           "connections to spread the callers over (one HTTP/2 connection "
           "carries about 17k small calls/s: use several to measure a fast "
           "server)");
+ABSL_FLAG(bool, poll_spin, false,
+          "closed loop, unary: wait for each answer polling without sleeping "
+          "(a caller that busy-polls; its wake-up leaves the latency)");
 ABSL_FLAG(bool, stream, false,
           "closed loop: each caller keeps one SampleStream open and sends "
           "its requests on it (no per-call retries)");
@@ -136,6 +139,7 @@ int Main(int argc, char** argv) {
   }
   load.concurrency = absl::GetFlag(FLAGS_concurrency);
   load.stream = absl::GetFlag(FLAGS_stream);
+  load.poll_spin = absl::GetFlag(FLAGS_poll_spin);
   load.rate = absl::GetFlag(FLAGS_rate);
   load.max_outstanding = absl::GetFlag(FLAGS_max_outstanding);
   load.duration = absl::GetFlag(FLAGS_duration);

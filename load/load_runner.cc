@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
+#include "grpc/support/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -44,11 +45,13 @@ absl::StatusCode Check(const absl::StatusOr<v1::SampleResponse>& response,
 // make a queue per call: the generator's own cost, not the server's.
 class WireCaller {
  public:
-  WireCaller(SamplerClient& client, const grpc::ByteBuffer& request)
+  WireCaller(SamplerClient& client, const grpc::ByteBuffer& request,
+             bool poll_spin)
       : stub_(client.channel()),
         request_(request),
         timeout_(client.options().timeout),
-        wait_for_ready_(client.options().wait_for_ready) {}
+        wait_for_ready_(client.options().wait_for_ready),
+        poll_spin_(poll_spin) {}
   ~WireCaller() {
     cq_.Shutdown();
     void* tag;
@@ -72,7 +75,17 @@ class WireCaller {
     call->Finish(&reply, &status, this);
     void* tag = nullptr;
     bool ok = false;
-    if (!cq_.Next(&tag, &ok) || tag != this || !ok) {
+    bool got = false;
+    if (poll_spin_) {
+      grpc::CompletionQueue::NextStatus next;
+      do {
+        next = cq_.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
+      } while (next == grpc::CompletionQueue::TIMEOUT);
+      got = next == grpc::CompletionQueue::GOT_EVENT;
+    } else {
+      got = cq_.Next(&tag, &ok);
+    }
+    if (!got || tag != this || !ok) {
       return absl::InternalError("the call's completion queue failed");
     }
     if (!status.ok()) return ToAbslStatus(status);
@@ -89,6 +102,7 @@ class WireCaller {
   const grpc::ByteBuffer request_;
   const absl::Duration timeout_;
   const bool wait_for_ready_;
+  const bool poll_spin_;  // LoadOptions::poll_spin
   grpc::CompletionQueue cq_;
 };
 
@@ -121,7 +135,8 @@ LoadResult RunClosed(const std::vector<SamplerClient*>& clients,
       std::unique_ptr<WireCaller> wire_caller;
       if (!options.stream && client.options().retry.max_attempts <= 1 &&
           wire.Valid()) {
-        wire_caller = std::make_unique<WireCaller>(client, wire);
+        wire_caller =
+            std::make_unique<WireCaller>(client, wire, options.poll_spin);
       }
       for (absl::Time start = absl::Now(); start < end; start = absl::Now()) {
         absl::StatusCode code;

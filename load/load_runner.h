@@ -28,6 +28,11 @@ struct LoadOptions {
   // a caller until the stream's deadline: the rest of the run plus the
   // client's timeout.
   bool stream = false;
+  // Closed-loop unary callers on the request's wire bytes wait for each
+  // answer by polling their completion queue without sleeping, as a caller
+  // that busy-polls does, instead of sleeping in it: the caller's own
+  // wake-up is then not part of the latency.
+  bool poll_spin = false;
   double rate = 100.0;  // open loop: mean arrivals per second
   // Measured window; calls that start in the warm-up before it are sent but
   // not recorded (connections, server caches and thread pools warm up).

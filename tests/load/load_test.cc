@@ -168,6 +168,25 @@ TEST_F(LoadRunTest, ClosedLoopKeepsConcurrencyCallersBusy) {
   EXPECT_GT(server_->service().calls(), static_cast<int>(s.requests));
 }
 
+// A caller that polls for its answers without sleeping gets every answer,
+// checked as the sleeping caller's are.
+TEST_F(LoadRunTest, ClosedLoopPollSpinGetsEveryAnswer) {
+  server_->service().set_delay(absl::Milliseconds(5));
+  LoadOptions options;
+  options.mode = LoadOptions::Mode::kClosed;
+  options.concurrency = 1;
+  options.poll_spin = true;
+  options.duration = absl::Milliseconds(200);
+  auto result = RunLoad(*client_, request_, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const LoadSummary s = Summarize(result->records, result->duration_s, 0);
+  EXPECT_GE(s.ok, 10);
+  EXPECT_LE(s.ok, 41);  // 200 ms / 5 ms, and the answers are checked
+  EXPECT_EQ(s.errors, 0);
+  EXPECT_GE(s.p50_s, 0.005);
+  EXPECT_EQ(server_->service().calls(), static_cast<int>(s.requests));
+}
+
 TEST_F(LoadRunTest, ClosedLoopStreamKeepsOneStreamPerCaller) {
   server_->service().set_delay(absl::Milliseconds(20));
   LoadOptions options;
