@@ -606,27 +606,28 @@ TEST(ServerTest, BatcherOptionsOutOfRangeAreRefusedNamingTheField) {
   }
 }
 
-TEST(ServerTest, SampleThreadsOutOfRangeAreRefusedNamingTheField) {
-  for (int threads : {0, -1, 257}) {
+TEST(ServerTest, SampleThreadOptionsOutOfRangeAreRefusedNamingTheField) {
+  struct Case {
+    const char* field;
+    void (*apply)(ServerOptions*);
+  };
+  const Case cases[] = {
+      {"sample_threads", [](ServerOptions* o) { o->sample_threads = 0; }},
+      {"sample_threads", [](ServerOptions* o) { o->sample_threads = -1; }},
+      {"sample_threads", [](ServerOptions* o) { o->sample_threads = 257; }},
+      {"sample_poll_spin",
+       [](ServerOptions* o) { o->sample_poll_spin = absl::Microseconds(-1); }},
+      {"sample_poll_spin",
+       [](ServerOptions* o) { o->sample_poll_spin = absl::Milliseconds(11); }},
+  };
+  for (const Case& c : cases) {
     ServerOptions options = TestServerOptions();
-    options.sample_threads = threads;
+    c.apply(&options);
     auto server = CreateOnFakeEngine(options);
-    ASSERT_FALSE(server.ok()) << threads;
+    ASSERT_FALSE(server.ok()) << c.field;
     EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(server.status().message()),
-                StartsWith("sample_threads: "));
-  }
-}
-
-TEST(ServerTest, SamplePollSpinOutOfRangeIsRefusedNamingTheField) {
-  for (absl::Duration spin : {absl::Microseconds(-1), absl::Milliseconds(11)}) {
-    ServerOptions options = TestServerOptions();
-    options.sample_poll_spin = spin;
-    auto server = CreateOnFakeEngine(options);
-    ASSERT_FALSE(server.ok()) << spin;
-    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(server.status().message()),
-                StartsWith("sample_poll_spin: "));
+                StartsWith(absl::StrCat(c.field, ": ")));
   }
 }
 
