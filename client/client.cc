@@ -187,6 +187,35 @@ absl::StatusOr<HealthStatus> DecodeHealthResponse(const std::string& in) {
   }
 }
 
+// One Sample attempt on a completion queue of its own, polled without
+// sleeping until the call ends (ClientOptions::busy_poll); the context's
+// deadline ends it at the latest.
+grpc::Status PolledSample(v1::Sampler::Stub& stub, grpc::ClientContext* context,
+                          const v1::SampleRequest& request,
+                          v1::SampleResponse* response) {
+  grpc::CompletionQueue queue;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<v1::SampleResponse>> call =
+      stub.AsyncSample(context, request, &queue);
+  call->Finish(response, &status, &queue);
+  void* tag = nullptr;
+  bool ok = false;
+  grpc::CompletionQueue::NextStatus next;
+  do {
+    next = queue.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
+  } while (next == grpc::CompletionQueue::TIMEOUT);
+  queue.Shutdown();
+  void* drained_tag = nullptr;
+  bool drained_ok = false;
+  while (queue.Next(&drained_tag, &drained_ok)) {
+  }
+  if (next != grpc::CompletionQueue::GOT_EVENT || tag != &queue || !ok) {
+    return grpc::Status(grpc::StatusCode::INTERNAL,
+                        "the call's completion queue failed");
+  }
+  return status;
+}
+
 }  // namespace
 
 const char* HealthStatusName(HealthStatus status) {
@@ -383,6 +412,9 @@ absl::StatusOr<v1::SampleResponse> SamplerClient::Sample(
   v1::SampleResponse response;
   absl::Status status = CallWithRetry([&](grpc::ClientContext* context) {
     response.Clear();
+    if (options_.busy_poll) {
+      return PolledSample(*stub_, context, request, &response);
+    }
     return stub_->Sample(context, request, &response);
   });
   if (!status.ok()) return status;

@@ -1,7 +1,8 @@
 // SamplerClient against scripted in-process servers: retry and backoff on
-// UNAVAILABLE, deadlines, round_robin spreading, dns:/// targets, health,
-// TLS and mutual TLS, the request builders, and SampleStream (in order,
-// refused requests answered in place, broken and stalled streams).
+// UNAVAILABLE, deadlines, busy polling, round_robin spreading, dns:///
+// targets, health, TLS and mutual TLS, the request builders, and
+// SampleStream (in order, refused requests answered in place, broken and
+// stalled streams).
 #include "client/client.h"
 
 #include <cstring>
@@ -181,6 +182,42 @@ TEST(SamplerClientTest, DeadlineExceededWhenServerStalls) {
   EXPECT_GE(took, absl::Milliseconds(150));
   EXPECT_LT(took, absl::Seconds(2));
   EXPECT_EQ(server->service().calls(), 1);  // not retried
+}
+
+// ClientOptions::busy_poll: the same answers, retries and deadline as the
+// blocking wait.
+TEST(SamplerClientTest, BusyPollGetsTheAnswerAfterRetries) {
+  auto server = FakeSamplerServer::Start(/*server_id=*/5);
+  ASSERT_NE(server, nullptr);
+  server->service().FailFirst(2, grpc::StatusCode::UNAVAILABLE);
+  ClientOptions options = FastRetryOptions(server->address());
+  options.busy_poll = true;
+  auto client = MustCreate(options);
+  for (int i = 0; i < 3; ++i) {
+    auto response = client->Sample(TwoRowRequest());
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_THAT(response->token_ids(),
+                ElementsAre(FakeToken(5, 0, 0), FakeToken(5, 1, 0)));
+    EXPECT_THAT(response->seeds(), ElementsAre(11u, 12u));
+  }
+  EXPECT_EQ(server->service().calls(), 5);
+  EXPECT_EQ(client->retries(), 2);
+}
+
+TEST(SamplerClientTest, BusyPollEndsAtTheDeadlineWhenTheServerStalls) {
+  auto server = FakeSamplerServer::Start();
+  ASSERT_NE(server, nullptr);
+  server->service().set_delay(absl::Seconds(3));
+  ClientOptions options = FastRetryOptions(server->address());
+  options.timeout = absl::Milliseconds(200);
+  options.busy_poll = true;
+  auto client = MustCreate(options);
+  const absl::Time start = absl::Now();
+  auto response = client->Sample(TwoRowRequest());
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_GE(took, absl::Milliseconds(150));
+  EXPECT_LT(took, absl::Seconds(2));
 }
 
 TEST(SamplerClientTest, RetriesStopAtTheDeadline) {
