@@ -6,9 +6,10 @@ flags, its environment), then runs fs_load over the load points on each
 variant in turn, the order reversed every other round, so that a drift of
 the host (clocks, power, neighbours) favours none. Builds and settings are
 judged this way on one machine: machines of one kind differ by more than
-most changes (docs/performance.md). Prints each point's requests/s, p50 and
-the daemon's CPU per answered request, the rounds' range per variant, and
-writes every run to ab.csv.
+most changes (docs/performance.md). Prints each point's requests/s, p50,
+the daemon's CPU per answered request and its batches' mean rows, the
+rounds' range per variant, and writes every run to ab.csv (with the
+batches' mean execution time, from the daemon's histograms).
 
   load/service_ab.py --load build/bin/fs_load --out /tmp/ab \\
       --variant 'four=build/bin/flashsamplerd --backend=cpu
@@ -134,7 +135,11 @@ def main():
                         "label": label, "round": round_, "variant": name,
                         "point": f"{callers}x{rows}",
                         "cpu_us": (1e6 * (usage_after[0] - usage_before[0]) /
-                                   answers if answers else float("nan"))})
+                                   answers if answers else float("nan")),
+                        "batch_rows": sb.mean_delta(before, after,
+                                                    sb.HISTOGRAMS[2]),
+                        "execute_ms": 1e3 * sb.mean_delta(before, after,
+                                                          sb.HISTOGRAMS[1])})
         with open(summary) as f:
             load_rows = {row["label"]: row for row in csv.DictReader(f)}
     finally:
@@ -147,7 +152,8 @@ def main():
                 process.kill()
 
     header = ["point", "round", "variant", "req_per_s", "rows_per_s",
-              "p50_ms", "p99_ms", "errors", "daemon_cpu_us_per_req"]
+              "p50_ms", "p99_ms", "errors", "daemon_cpu_us_per_req",
+              "batch_rows", "execute_ms"]
     table = []
     for run in runs:
         load = load_rows[run["label"]]
@@ -158,7 +164,9 @@ def main():
                       "p50_ms": float(load["p50_ms"]),
                       "p99_ms": float(load["p99_ms"]),
                       "errors": int(load["errors"]),
-                      "daemon_cpu_us_per_req": run["cpu_us"]})
+                      "daemon_cpu_us_per_req": run["cpu_us"],
+                      "batch_rows": run["batch_rows"],
+                      "execute_ms": run["execute_ms"]})
     with open(os.path.join(args.out, "ab.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=header)
         writer.writeheader()
@@ -170,7 +178,8 @@ def main():
             return f"{low:,.{digits}f}"
         return f"{low:,.{digits}f}-{high:,.{digits}f}"
 
-    print("requests/s over the rounds (p50 ms; daemon CPU us per request)")
+    print("requests/s over the rounds (p50 ms; daemon CPU us per request; "
+          "rows per batch)")
     print("| point | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     errors = 0
@@ -184,7 +193,8 @@ def main():
             cells.append(
                 f"{spread([r['req_per_s'] for r in mine], 0)} "
                 f"({spread([r['p50_ms'] for r in mine], 2)}; "
-                f"{spread([r['daemon_cpu_us_per_req'] for r in mine], 0)})")
+                f"{spread([r['daemon_cpu_us_per_req'] for r in mine], 0)}; "
+                f"{spread([r['batch_rows'] for r in mine], 1)})")
         print(f"| {point} | " + " | ".join(cells) + " |")
     medians = {name: statistics.median(
         r["req_per_s"] for r in table if r["variant"] == name)

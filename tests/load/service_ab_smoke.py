@@ -3,7 +3,9 @@
 synthetic weights (one and two Sample threads, the second started with an
 environment word), two short points, two rounds. Asserts that ab.csv holds
 every round of every point on both variants, in the alternating order, with
-no errors and the daemon's CPU per request measured; then that a malformed
+no errors, the daemon's CPU per request measured and its batches' mean rows
+and execution time scraped (one caller of one row: batches of one row;
+batches of at most two callers' rows); then that a malformed
 --variant and --points are refused before anything starts (timings are not
 asserted).
 
@@ -46,8 +48,13 @@ def main():
         return 1
     for row in rows:
         cpu = float(row["daemon_cpu_us_per_req"])
+        batch_rows = float(row["batch_rows"])
+        execute_ms = float(row["execute_ms"])
+        callers, rows_each = (int(x) for x in row["point"].split("x"))
         if row["errors"] != "0" or float(row["req_per_s"]) <= 0 or \
-                not math.isfinite(cpu) or cpu < 0:
+                not math.isfinite(cpu) or cpu < 0 or \
+                not rows_each <= batch_rows <= callers * rows_each or \
+                not execute_ms > 0:
             print(f"bad run: {row}", file=sys.stderr)
             return 1
     for bad in (["--variant", "no-command"],
