@@ -25,6 +25,10 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 namespace flashsampler {
 namespace {
 
+// ClientOptions::connections' bound: each is a socket and a reader thread's
+// share on the server.
+constexpr int kMaxConnections = 64;
+
 absl::StatusOr<std::string> ReadFile(const std::string& path,
                                      const char* what) {
   std::ifstream in(path, std::ios::binary);
@@ -327,6 +331,11 @@ absl::StatusOr<std::unique_ptr<SamplerClient>> SamplerClient::Create(
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("timeout: must be > 0");
   }
+  if (options.connections < 1 || options.connections > kMaxConnections) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connections: must be in [1, ", kMaxConnections, "], got ",
+                     options.connections));
+  }
   auto credentials = MakeCredentials(options);
   if (!credentials.ok()) return credentials.status();
 
@@ -342,24 +351,37 @@ absl::StatusOr<std::unique_ptr<SamplerClient>> SamplerClient::Create(
   if (!options.tls_server_name_override.empty()) {
     args.SetSslTargetNameOverride(options.tls_server_name_override);
   }
-  // Each client its own connections: gRPC otherwise shares one subchannel
+  // Each channel its own connections: gRPC otherwise shares one subchannel
   // (one HTTP/2 connection) among every channel of the process with the
-  // same target, and a load generator's callers would all queue on it.
+  // same target, and every call would queue on it.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto channel = grpc::CreateCustomChannel(options.target, *credentials, args);
-  if (channel == nullptr) {
-    return absl::InternalError(
-        absl::StrCat("cannot create a channel to ", options.target));
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int c = 0; c < options.connections; ++c) {
+    auto channel =
+        grpc::CreateCustomChannel(options.target, *credentials, args);
+    if (channel == nullptr) {
+      return absl::InternalError(
+          absl::StrCat("cannot create a channel to ", options.target));
+    }
+    channels.push_back(std::move(channel));
   }
   return std::unique_ptr<SamplerClient>(
-      new SamplerClient(options, std::move(channel)));
+      new SamplerClient(options, std::move(channels)));
 }
 
-SamplerClient::SamplerClient(const ClientOptions& options,
-                             std::shared_ptr<grpc::Channel> channel)
-    : options_(options),
-      channel_(std::move(channel)),
-      stub_(v1::Sampler::NewStub(channel_)) {}
+SamplerClient::SamplerClient(
+    const ClientOptions& options,
+    std::vector<std::shared_ptr<grpc::Channel>> channels)
+    : options_(options), channels_(std::move(channels)) {
+  for (const std::shared_ptr<grpc::Channel>& channel : channels_) {
+    stubs_.push_back(v1::Sampler::NewStub(channel));
+  }
+}
+
+size_t SamplerClient::NextConnection() {
+  return static_cast<size_t>(calls_.fetch_add(1, std::memory_order_relaxed) %
+                             channels_.size());
+}
 
 absl::Duration SamplerClient::Jittered(absl::Duration backoff) {
   if (options_.retry.jitter == 0.0) return backoff;
@@ -412,10 +434,11 @@ absl::StatusOr<v1::SampleResponse> SamplerClient::Sample(
   v1::SampleResponse response;
   absl::Status status = CallWithRetry([&](grpc::ClientContext* context) {
     response.Clear();
+    v1::Sampler::Stub& stub = *stubs_[NextConnection()];
     if (options_.busy_poll) {
-      return PolledSample(*stub_, context, request, &response);
+      return PolledSample(stub, context, request, &response);
     }
-    return stub_->Sample(context, request, &response);
+    return stub.Sample(context, request, &response);
   });
   if (!status.ok()) return status;
   return response;
@@ -425,7 +448,8 @@ absl::StatusOr<v1::ModelInfo> SamplerClient::GetModelInfo() {
   v1::ModelInfo info;
   absl::Status status = CallWithRetry([&](grpc::ClientContext* context) {
     info.Clear();
-    return stub_->GetModelInfo(context, v1::GetModelInfoRequest(), &info);
+    return stubs_[NextConnection()]->GetModelInfo(
+        context, v1::GetModelInfoRequest(), &info);
   });
   if (!status.ok()) return status;
   return info;
@@ -440,7 +464,8 @@ absl::Status SamplerClient::RegisterSharedMemory(const std::string& name,
   request.set_byte_size(byte_size);
   return CallWithRetry([&](grpc::ClientContext* context) {
     v1::RegisterSharedMemoryResponse response;
-    return stub_->RegisterSharedMemory(context, request, &response);
+    return stubs_[NextConnection()]->RegisterSharedMemory(context, request,
+                                                          &response);
   });
 }
 
@@ -449,13 +474,14 @@ absl::Status SamplerClient::UnregisterSharedMemory(const std::string& name) {
   request.set_name(name);
   return CallWithRetry([&](grpc::ClientContext* context) {
     v1::UnregisterSharedMemoryResponse response;
-    return stub_->UnregisterSharedMemory(context, request, &response);
+    return stubs_[NextConnection()]->UnregisterSharedMemory(context, request,
+                                                            &response);
   });
 }
 
 absl::StatusOr<HealthStatus> SamplerClient::CheckHealth(
     const std::string& service) {
-  grpc::GenericStub generic(channel_);
+  grpc::GenericStub generic(channels_[NextConnection()]);
   const std::string encoded = EncodeHealthRequest(service);
   std::string reply;
   absl::Status status = CallWithRetry([&](grpc::ClientContext* context) {
@@ -496,7 +522,7 @@ std::unique_ptr<SampleStream> SamplerClient::OpenStream(
     stream->context_.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   }
   stream->context_.set_wait_for_ready(options_.wait_for_ready);
-  stream->stream_ = stub_->SampleStream(&stream->context_);
+  stream->stream_ = stubs_[NextConnection()]->SampleStream(&stream->context_);
   return stream;
 }
 
@@ -552,7 +578,7 @@ void SamplerClient::SampleAsync(
   if (timeout <= absl::ZeroDuration()) timeout = options_.timeout;
   call->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   call->context.set_wait_for_ready(options_.wait_for_ready);
-  stub_->async()->Sample(
+  stubs_[NextConnection()]->async()->Sample(
       &call->context, call->request.get(), &call->response,
       [call](grpc::Status status) {
         auto done = std::move(call->done);

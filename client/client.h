@@ -75,6 +75,14 @@ struct ClientOptions {
   // Queue calls while the channel connects instead of failing fast with
   // UNAVAILABLE (useful right after the server starts).
   bool wait_for_ready = false;
+  // HTTP/2 connections to each server address, 1 to 64; every call (every
+  // attempt, every stream) takes the next in turn. A connection carries one
+  // request's bytes at a time and the server reads it on one thread: four
+  // callers of 256 rows (2 MB of bf16 each) on one connection were served
+  // 336-366k rows/s, on four 450-453k, the kernel's row rate, and one
+  // connection carries about 17k small calls/s (flashsamplerd on an H100
+  // host; docs/performance.md#service).
+  int connections = 1;
   // Sample() waits for each attempt's answer by polling the call's own
   // completion queue without sleeping, instead of blocking in gRPC: the
   // calling thread keeps its core busy for the whole call (about the
@@ -167,7 +175,8 @@ class SampleStream {
   bool finished_ = false;
 };
 
-// Thread-safe; one per process is enough (the channel multiplexes calls).
+// Thread-safe; one per process is enough: its connections (one unless
+// ClientOptions::connections) multiplex the calls.
 class SamplerClient {
  public:
   static absl::StatusOr<std::unique_ptr<SamplerClient>> Create(
@@ -211,11 +220,16 @@ class SamplerClient {
   // client's lifetime.
   int64_t retries() const { return retries_.load(); }
   const ClientOptions& options() const { return options_; }
-  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  // The first connection's channel.
+  const std::shared_ptr<grpc::Channel>& channel() const {
+    return channels_.front();
+  }
 
  private:
   SamplerClient(const ClientOptions& options,
-                std::shared_ptr<grpc::Channel> channel);
+                std::vector<std::shared_ptr<grpc::Channel>> channels);
+  // The connection the next call takes (ClientOptions::connections).
+  size_t NextConnection();
 
   // Runs `attempt` (one RPC on the given context) until it succeeds, fails
   // with a code not worth retrying, runs out of attempts or of deadline.
@@ -224,8 +238,9 @@ class SamplerClient {
   absl::Duration Jittered(absl::Duration backoff);
 
   const ClientOptions options_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Sampler::Stub> stub_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<v1::Sampler::Stub>> stubs_;  // one per channel
+  std::atomic<uint64_t> calls_{0};
   std::atomic<int64_t> retries_{0};
   absl::Mutex rng_mu_;
   absl::BitGen rng_ ABSL_GUARDED_BY(rng_mu_);

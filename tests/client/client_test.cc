@@ -1,8 +1,8 @@
 // SamplerClient against scripted in-process servers: retry and backoff on
-// UNAVAILABLE, deadlines, busy polling, round_robin spreading, dns:///
-// targets, health, TLS and mutual TLS, the request builders, and
-// SampleStream (in order, refused requests answered in place, broken and
-// stalled streams).
+// UNAVAILABLE, deadlines, busy polling, several connections, round_robin
+// spreading, dns:/// targets, health, TLS and mutual TLS, the request
+// builders, and SampleStream (in order, refused requests answered in place,
+// broken and stalled streams).
 #include "client/client.h"
 
 #include <cstring>
@@ -218,6 +218,26 @@ TEST(SamplerClientTest, BusyPollEndsAtTheDeadlineWhenTheServerStalls) {
   EXPECT_EQ(response.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_GE(took, absl::Milliseconds(150));
   EXPECT_LT(took, absl::Seconds(2));
+}
+
+// ClientOptions::connections: calls take the connections in turn, and one
+// client keeps to one connection by default.
+TEST(SamplerClientTest, CallsTakeTheConnectionsInTurn) {
+  for (const int connections : {1, 3}) {
+    SCOPED_TRACE(connections);
+    auto server = FakeSamplerServer::Start(/*server_id=*/4);
+    ASSERT_NE(server, nullptr);
+    ClientOptions options = FastRetryOptions(server->address());
+    options.connections = connections;
+    auto client = MustCreate(options);
+    for (int i = 0; i < 6; ++i) {
+      auto response = client->Sample(TwoRowRequest());
+      ASSERT_TRUE(response.ok()) << response.status();
+      EXPECT_EQ(response->token_ids(1), FakeToken(4, 1, 0));
+    }
+    EXPECT_EQ(server->service().peers().size(),
+              static_cast<size_t>(connections));
+  }
 }
 
 TEST(SamplerClientTest, RetriesStopAtTheDeadline) {
@@ -537,6 +557,13 @@ TEST(SamplerClientCreateTest, RejectsBadOptions) {
   options.tls_client_key_path = "/no/such/key.pem";
   EXPECT_EQ(SamplerClient::Create(options).status().code(),
             absl::StatusCode::kNotFound);
+  for (const int connections : {0, 65}) {
+    options = ClientOptions();
+    options.connections = connections;
+    const absl::Status status = SamplerClient::Create(options).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(status.message()), HasSubstr("connections"));
+  }
 }
 
 TEST(MakeSampleRequestTest, Fp32PayloadShapeAndFields) {

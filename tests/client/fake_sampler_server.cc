@@ -28,12 +28,18 @@ std::vector<absl::Time> FakeSamplerService::arrivals() const {
   return arrivals_;
 }
 
+std::set<std::string> FakeSamplerService::peers() const {
+  absl::MutexLock lock(&mu_);
+  return peers_;
+}
+
 grpc::Status FakeSamplerService::Sample(grpc::ServerContext* context,
                                         const v1::SampleRequest* request,
                                         v1::SampleResponse* response) {
   {
     absl::MutexLock lock(&mu_);
     arrivals_.push_back(absl::Now());
+    peers_.insert(context->peer());
   }
   const int call = ++calls_;
   const int every = fail_every_.load();

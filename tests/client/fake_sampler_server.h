@@ -1,12 +1,14 @@
 // A scripted in-process Sampler server on 127.0.0.1 for the client and load
 // generator tests: it fails the first k calls with a chosen code, can stall,
-// records when each attempt arrived, and answers with predictable tokens.
+// records when and on which connection each attempt arrived, and answers
+// with predictable tokens.
 #ifndef FLASHSAMPLER_TESTS_CLIENT_FAKE_SAMPLER_SERVER_H_
 #define FLASHSAMPLER_TESTS_CLIENT_FAKE_SAMPLER_SERVER_H_
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -42,6 +44,8 @@ class FakeSamplerService final : public v1::Sampler::Service {
 
   int calls() const { return calls_.load(); }
   std::vector<absl::Time> arrivals() const;
+  // The connections (client addresses) Sample calls came on.
+  std::set<std::string> peers() const;
 
   grpc::Status Sample(grpc::ServerContext* context,
                       const v1::SampleRequest* request,
@@ -72,6 +76,7 @@ class FakeSamplerService final : public v1::Sampler::Service {
   std::atomic<bool> truncate_tokens_{false};
   mutable absl::Mutex mu_;
   std::vector<absl::Time> arrivals_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> peers_ ABSL_GUARDED_BY(mu_);
 };
 
 // The service plus a running server with grpc.health.v1 (SERVING).
