@@ -4,6 +4,7 @@ states, channel settings, method paths and the dependency-free
 grpc.health.v1 codec.
 """
 
+import itertools
 import random
 import sys
 from multiprocessing import shared_memory
@@ -34,6 +35,9 @@ GET_MODEL_INFO = "/flashsampler.v1.Sampler/GetModelInfo"
 REGISTER_SHARED_MEMORY = "/flashsampler.v1.Sampler/RegisterSharedMemory"
 UNREGISTER_SHARED_MEMORY = "/flashsampler.v1.Sampler/UnregisterSharedMemory"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+# The `connections` bound: each is a socket and a share of a server thread.
+MAX_CONNECTIONS = 64
 # Trailer holding a serialized google.rpc.Status (gRPC's rich error model).
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
@@ -419,6 +423,40 @@ def tokens_and_seeds(
             np.asarray(response.seeds, dtype=np.uint64))
 
 
+class _MethodHandles:
+    """The service's methods on one channel (one connection)."""
+
+    def __init__(self, channel: Any) -> None:
+        self.sample = channel.unary_unary(
+            SAMPLE,
+            request_serializer=sampler_pb2.SampleRequest.SerializeToString,
+            response_deserializer=sampler_pb2.SampleResponse.FromString)
+        self.sample_stream = channel.stream_stream(
+            SAMPLE_STREAM,
+            request_serializer=sampler_pb2.SampleRequest.SerializeToString,
+            response_deserializer=sampler_pb2.SampleResponse.FromString)
+        self.model_info = channel.unary_unary(
+            GET_MODEL_INFO,
+            request_serializer=sampler_pb2.GetModelInfoRequest
+            .SerializeToString,
+            response_deserializer=sampler_pb2.ModelInfo.FromString)
+        self.register_shared_memory = channel.unary_unary(
+            REGISTER_SHARED_MEMORY,
+            request_serializer=sampler_pb2.RegisterSharedMemoryRequest
+            .SerializeToString,
+            response_deserializer=sampler_pb2.RegisterSharedMemoryResponse
+            .FromString)
+        self.unregister_shared_memory = channel.unary_unary(
+            UNREGISTER_SHARED_MEMORY,
+            request_serializer=sampler_pb2.UnregisterSharedMemoryRequest
+            .SerializeToString,
+            response_deserializer=sampler_pb2.UnregisterSharedMemoryResponse
+            .FromString)
+        self.health_check = channel.unary_unary(
+            HEALTH_CHECK, request_serializer=encode_health_request,
+            response_deserializer=decode_health_response)
+
+
 class ClientConfig:
     """Settings both clients validate and hold the same way (see
     FlashSamplerClient for their meaning), and the channel and method
@@ -436,13 +474,17 @@ class ClientConfig:
                  server_name_override: Optional[str] = None,
                  lb_policy: str = "round_robin",
                  max_message_bytes: int = 256 << 20,
-                 wait_for_ready: bool = False) -> None:
+                 wait_for_ready: bool = False,
+                 connections: int = 1) -> None:
         if timeout <= 0:
             raise ValueError("timeout: must be > 0")
         if retries < 0:
             raise ValueError("retries: must be >= 0")
         if not 0 <= jitter < 1:
             raise ValueError("jitter: must be in [0, 1)")
+        if not 1 <= connections <= MAX_CONNECTIONS:
+            raise ValueError(f"connections: must be in [1, {MAX_CONNECTIONS}]"
+                             f", got {connections}")
         self.target = target
         self.timeout = float(timeout)
         self.retries = int(retries)
@@ -456,6 +498,9 @@ class ClientConfig:
             ("grpc.lb_policy_name", lb_policy),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # Each channel its own connections: gRPC otherwise shares one
+            # among every channel of the process with the same target.
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if server_name_override:
             self._options.append(("grpc.ssl_target_name_override",
@@ -469,41 +514,46 @@ class ClientConfig:
                 root_certificates=_read(root_certificates),
                 private_key=_read(private_key),
                 certificate_chain=_read(certificate_chain))
+        self._channels = [self._open_channel(target)
+                          for _ in range(connections)]
+        self._handles = [_MethodHandles(channel)
+                         for channel in self._channels]
+        self._turn = itertools.count()
+
+    def _open_channel(self, target: str) -> Any:
         if self._credentials is not None:
-            self._channel = self._grpc.secure_channel(
-                target, self._credentials, self._options)
-        else:
-            self._channel = self._grpc.insecure_channel(target,
-                                                        self._options)
-        channel = self._channel
-        self._sample = channel.unary_unary(
-            SAMPLE,
-            request_serializer=sampler_pb2.SampleRequest.SerializeToString,
-            response_deserializer=sampler_pb2.SampleResponse.FromString)
-        self._sample_stream = channel.stream_stream(
-            SAMPLE_STREAM,
-            request_serializer=sampler_pb2.SampleRequest.SerializeToString,
-            response_deserializer=sampler_pb2.SampleResponse.FromString)
-        self._model_info = channel.unary_unary(
-            GET_MODEL_INFO,
-            request_serializer=sampler_pb2.GetModelInfoRequest
-            .SerializeToString,
-            response_deserializer=sampler_pb2.ModelInfo.FromString)
-        self._register_shared_memory = channel.unary_unary(
-            REGISTER_SHARED_MEMORY,
-            request_serializer=sampler_pb2.RegisterSharedMemoryRequest
-            .SerializeToString,
-            response_deserializer=sampler_pb2.RegisterSharedMemoryResponse
-            .FromString)
-        self._unregister_shared_memory = channel.unary_unary(
-            UNREGISTER_SHARED_MEMORY,
-            request_serializer=sampler_pb2.UnregisterSharedMemoryRequest
-            .SerializeToString,
-            response_deserializer=sampler_pb2.UnregisterSharedMemoryResponse
-            .FromString)
-        self._health_check = channel.unary_unary(
-            HEALTH_CHECK, request_serializer=encode_health_request,
-            response_deserializer=decode_health_response)
+            return self._grpc.secure_channel(target, self._credentials,
+                                             self._options)
+        return self._grpc.insecure_channel(target, self._options)
+
+    def _next_handles(self) -> "_MethodHandles":
+        """The method handles of the connection the next call takes."""
+        return self._handles[next(self._turn) % len(self._handles)]
+
+    # Each access takes the next connection (`connections`).
+    @property
+    def _sample(self) -> Any:
+        return self._next_handles().sample
+
+    @property
+    def _sample_stream(self) -> Any:
+        return self._next_handles().sample_stream
+
+    @property
+    def _model_info(self) -> Any:
+        return self._next_handles().model_info
+
+    @property
+    def _register_shared_memory(self) -> Any:
+        return self._next_handles().register_shared_memory
+
+    @property
+    def _unregister_shared_memory(self) -> Any:
+        return self._next_handles().unregister_shared_memory
+
+    @property
+    def _health_check(self) -> Any:
+        return self._next_handles().health_check
 
     def _deadline_budget(self, timeout: Optional[float]) -> float:
         return self.timeout if timeout is None else float(timeout)

@@ -109,7 +109,8 @@ class AsyncFlashSamplerClient(ClientConfig):
     _grpc = grpc.aio
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> "AsyncFlashSamplerClient":
         return self

@@ -110,11 +110,15 @@ class FlashSamplerClient(ClientConfig):
         paths; any of them turns TLS on (the key and chain: mutual TLS).
     tls: TLS with the system's root certificates.
     server_name_override: name expected in the server certificate.
-    Thread-safe: one client (one channel) serves every thread.
+    connections: HTTP/2 connections to each address (1 to 64), every call
+        and stream on the next in turn. A connection carries one request's
+        bytes at a time: callers of many rows in one process want one each.
+    Thread-safe: one client serves every thread.
     """
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> "FlashSamplerClient":
         return self

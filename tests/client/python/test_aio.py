@@ -92,6 +92,13 @@ class AsyncClientTest(FakeServerCase):
         self.assertEqual(client.attempts_retried, 2)
         self.assertEqual(len(self.fake.requests), 3)
 
+    def test_async_calls_take_the_connections_in_turn(self):
+        async def four_calls(client):
+            for _ in range(4):
+                await client.sample(np.ones((1, 4), np.float32))
+        self.run_async(four_calls, connections=2)
+        self.assertEqual(len(self.fake.peers), 2)
+
     def test_async_retries_cancelled_by_a_server_shutting_down(self):
         self.fake.fail_first = 1
         self.fake.fail_code = grpc.StatusCode.CANCELLED

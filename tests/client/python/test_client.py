@@ -1,6 +1,7 @@
 """flashsampler_client against scripted in-process gRPC servers: request
 encoding (dtypes, shapes, seeds, steps, params), response decoding, retries
-with backoff, deadlines, error mapping and the hand-encoded health protocol.
+with backoff, deadlines, error mapping, several connections and the
+hand-encoded health protocol.
 
 Run: PYTHONPATH=<build>/python:client/python /usr/bin/python3 -m unittest
 """
@@ -54,12 +55,14 @@ class FakeSampler(sampler_pb2_grpc.SamplerServicer):
         self.delay = 0.0
         self.requests = []
         self.arrivals = []
+        self.peers = set()  # the connections Sample calls came on
         self.lock = threading.Lock()
 
     def Sample(self, request, context):
         with self.lock:
             self.requests.append(request)
             self.arrivals.append(time.monotonic())
+            self.peers.add(context.peer())
             call = len(self.requests)
         if call <= self.fail_first:
             if self.fail_details:
@@ -300,6 +303,26 @@ class ClientTest(FakeServerCase):
                          "NOT_SERVING")
         self.assertEqual(self.client.health("no.such.Service"),
                          "SERVICE_UNKNOWN")
+
+    def test_calls_take_the_connections_in_turn(self):
+        for connections in (1, 3):
+            with self.subTest(connections=connections):
+                with self.fake.lock:
+                    self.fake.peers.clear()
+                with flashsampler_client.FlashSamplerClient(
+                        f"127.0.0.1:{self.port}", timeout=5.0,
+                        connections=connections) as client:
+                    for _ in range(6):
+                        tokens, _ = client.sample(np.ones((2, 4), np.float32),
+                                                  seeds=[1, 2])
+                        np.testing.assert_array_equal(tokens, [[0], [100]])
+                self.assertEqual(len(self.fake.peers), connections)
+
+    def test_connections_out_of_range_are_refused(self):
+        for connections in (0, 65):
+            with self.assertRaisesRegex(ValueError, "connections"):
+                flashsampler_client.FlashSamplerClient(
+                    f"127.0.0.1:{self.port}", connections=connections)
 
     def test_unreachable_target(self):
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
