@@ -87,9 +87,9 @@ struct ClientOptions {
   // completion queue without sleeping, instead of blocking in gRPC: the
   // calling thread keeps its core busy for the whole call (about the
   // kernel's time), and the answer is taken without a wake-up, which on a
-  // VM whose idle cores halt goes through the hypervisor. Waiting this way
-  // took 0.02-0.05 ms off one caller's p50 against the CUDA daemon on an
-  // H100 host (fs_load --poll_spin; docs/performance.md#service). For a
+  // VM whose idle cores halt goes through the hypervisor: 0.04-0.11 ms off
+  // one caller's p50 at one row against the CUDA daemon on an H100 host
+  // (fs_load --retries=2 --poll_spin; docs/performance.md#service). For a
   // caller with a core to spare for each call it has in flight; the other
   // methods wait as before.
   bool busy_poll = false;

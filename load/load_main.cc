@@ -39,7 +39,8 @@ ABSL_FLAG(int, channels, 1,
           "server)");
 ABSL_FLAG(bool, poll_spin, false,
           "closed loop, unary: wait for each answer polling without sleeping "
-          "(a caller that busy-polls; its wake-up leaves the latency)");
+          "(a caller that busy-polls; its wake-up leaves the latency); with "
+          "--retries above 1 through the client's ClientOptions::busy_poll");
 ABSL_FLAG(bool, stream, false,
           "closed loop: each caller keeps one SampleStream open and sends "
           "its requests on it (no per-call retries)");
@@ -154,6 +155,9 @@ int Main(int argc, char** argv) {
   options.tls_client_cert_path = absl::GetFlag(FLAGS_tls_cert);
   options.tls_client_key_path = absl::GetFlag(FLAGS_tls_key);
   options.tls_server_name_override = absl::GetFlag(FLAGS_tls_server_name);
+  // Closed-loop callers with retries call SamplerClient::Sample, which then
+  // waits the same way.
+  options.busy_poll = absl::GetFlag(FLAGS_poll_spin);
   auto client = SamplerClient::Create(options);
   if (!client.ok()) return Fail(client.status());
   const int channels = absl::GetFlag(FLAGS_channels);

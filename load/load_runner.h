@@ -31,7 +31,9 @@ struct LoadOptions {
   // Closed-loop unary callers on the request's wire bytes wait for each
   // answer by polling their completion queue without sleeping, as a caller
   // that busy-polls does, instead of sleeping in it: the caller's own
-  // wake-up is then not part of the latency.
+  // wake-up is then not part of the latency. (Callers that go through
+  // SamplerClient::Sample, with retries, poll by the client's own
+  // ClientOptions::busy_poll, which load_main sets from the same flag.)
   bool poll_spin = false;
   double rate = 100.0;  // open loop: mean arrivals per second
   // Measured window; calls that start in the warm-up before it are sent but
