@@ -38,6 +38,7 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 # The `connections` bound: each is a socket and a share of a server thread.
 MAX_CONNECTIONS = 64
+
 # Trailer holding a serialized google.rpc.Status (gRPC's rich error model).
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
