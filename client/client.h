@@ -78,8 +78,8 @@ struct ClientOptions {
   // HTTP/2 connections to each server address, 1 to 64; every call (every
   // attempt, every stream) takes the next in turn. A connection carries one
   // request's bytes at a time and the server reads it on one thread: four
-  // callers of 256 rows (2 MB of bf16 each) on one connection were served
-  // 336-366k rows/s, on four 450-453k, the kernel's row rate, and one
+  // callers of 256 rows (2 MB of bf16 each) sharing a client were served
+  // 210-302k rows/s on one connection and 361-424k on four, and one
   // connection carries about 17k small calls/s (flashsamplerd on an H100
   // host; docs/performance.md#service).
   int connections = 1;

@@ -37,6 +37,10 @@ ABSL_FLAG(int, channels, 1,
           "connections to spread the callers over (one HTTP/2 connection "
           "carries about 17k small calls/s: use several to measure a fast "
           "server)");
+ABSL_FLAG(int, connections, 1,
+          "ClientOptions::connections of each client: calls through "
+          "SamplerClient::Sample (--retries above 1), streams and the open "
+          "loop take its connections in turn");
 ABSL_FLAG(bool, poll_spin, false,
           "closed loop, unary: wait for each answer polling without sleeping "
           "(a caller that busy-polls; its wake-up leaves the latency); with "
@@ -158,6 +162,7 @@ int Main(int argc, char** argv) {
   // Closed-loop callers with retries call SamplerClient::Sample, which then
   // waits the same way.
   options.busy_poll = absl::GetFlag(FLAGS_poll_spin);
+  options.connections = absl::GetFlag(FLAGS_connections);
   auto client = SamplerClient::Create(options);
   if (!client.ok()) return Fail(client.status());
   const int channels = absl::GetFlag(FLAGS_channels);
