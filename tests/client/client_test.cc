@@ -168,24 +168,29 @@ TEST(SamplerClientTest, RetryableCodesAreConfigurable) {
   EXPECT_EQ(server->service().calls(), 2);
 }
 
+// Blocking in gRPC and polling (ClientOptions::busy_poll) alike.
 TEST(SamplerClientTest, DeadlineExceededWhenServerStalls) {
-  auto server = FakeSamplerServer::Start();
-  ASSERT_NE(server, nullptr);
-  server->service().set_delay(absl::Seconds(3));
-  ClientOptions options = FastRetryOptions(server->address());
-  options.timeout = absl::Milliseconds(200);
-  auto client = MustCreate(options);
-  const absl::Time start = absl::Now();
-  auto response = client->Sample(TwoRowRequest());
-  const absl::Duration took = absl::Now() - start;
-  EXPECT_EQ(response.status().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_GE(took, absl::Milliseconds(150));
-  EXPECT_LT(took, absl::Seconds(2));
-  EXPECT_EQ(server->service().calls(), 1);  // not retried
+  for (const bool busy_poll : {false, true}) {
+    SCOPED_TRACE(busy_poll ? "busy_poll" : "blocking");
+    auto server = FakeSamplerServer::Start();
+    ASSERT_NE(server, nullptr);
+    server->service().set_delay(absl::Seconds(3));
+    ClientOptions options = FastRetryOptions(server->address());
+    options.timeout = absl::Milliseconds(200);
+    options.busy_poll = busy_poll;
+    auto client = MustCreate(options);
+    const absl::Time start = absl::Now();
+    auto response = client->Sample(TwoRowRequest());
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(response.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_GE(took, absl::Milliseconds(150));
+    EXPECT_LT(took, absl::Seconds(2));
+    EXPECT_EQ(server->service().calls(), 1);  // not retried
+  }
 }
 
-// ClientOptions::busy_poll: the same answers, retries and deadline as the
-// blocking wait.
+// ClientOptions::busy_poll: the same answers and retries as the blocking
+// wait (its deadline: DeadlineExceededWhenServerStalls).
 TEST(SamplerClientTest, BusyPollGetsTheAnswerAfterRetries) {
   auto server = FakeSamplerServer::Start(/*server_id=*/5);
   ASSERT_NE(server, nullptr);
@@ -202,22 +207,6 @@ TEST(SamplerClientTest, BusyPollGetsTheAnswerAfterRetries) {
   }
   EXPECT_EQ(server->service().calls(), 5);
   EXPECT_EQ(client->retries(), 2);
-}
-
-TEST(SamplerClientTest, BusyPollEndsAtTheDeadlineWhenTheServerStalls) {
-  auto server = FakeSamplerServer::Start();
-  ASSERT_NE(server, nullptr);
-  server->service().set_delay(absl::Seconds(3));
-  ClientOptions options = FastRetryOptions(server->address());
-  options.timeout = absl::Milliseconds(200);
-  options.busy_poll = true;
-  auto client = MustCreate(options);
-  const absl::Time start = absl::Now();
-  auto response = client->Sample(TwoRowRequest());
-  const absl::Duration took = absl::Now() - start;
-  EXPECT_EQ(response.status().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_GE(took, absl::Milliseconds(150));
-  EXPECT_LT(took, absl::Seconds(2));
 }
 
 // ClientOptions::connections: calls take the connections in turn, and one
