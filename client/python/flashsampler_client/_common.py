@@ -458,6 +458,19 @@ class _MethodHandles:
             response_deserializer=decode_health_response)
 
 
+class _OnNextConnection:
+    """A ClientConfig attribute whose every read is the named method (of
+    _MethodHandles) on the connection the next call takes."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __get__(self, config: Optional["ClientConfig"], owner: Any) -> Any:
+        if config is None:
+            return self
+        return getattr(config._next_handles(), self._name)
+
+
 class ClientConfig:
     """Settings both clients validate and hold the same way (see
     FlashSamplerClient for their meaning), and the channel and method
@@ -531,30 +544,14 @@ class ClientConfig:
         """The method handles of the connection the next call takes."""
         return self._handles[next(self._turn) % len(self._handles)]
 
-    # Each access takes the next connection (`connections`).
-    @property
-    def _sample(self) -> Any:
-        return self._next_handles().sample
-
-    @property
-    def _sample_stream(self) -> Any:
-        return self._next_handles().sample_stream
-
-    @property
-    def _model_info(self) -> Any:
-        return self._next_handles().model_info
-
-    @property
-    def _register_shared_memory(self) -> Any:
-        return self._next_handles().register_shared_memory
-
-    @property
-    def _unregister_shared_memory(self) -> Any:
-        return self._next_handles().unregister_shared_memory
-
-    @property
-    def _health_check(self) -> Any:
-        return self._next_handles().health_check
+    # Each read is the method on the connection the next call takes
+    # (`connections`).
+    _sample = _OnNextConnection("sample")
+    _sample_stream = _OnNextConnection("sample_stream")
+    _model_info = _OnNextConnection("model_info")
+    _register_shared_memory = _OnNextConnection("register_shared_memory")
+    _unregister_shared_memory = _OnNextConnection("unregister_shared_memory")
+    _health_check = _OnNextConnection("health_check")
 
     def _deadline_budget(self, timeout: Optional[float]) -> float:
         return self.timeout if timeout is None else float(timeout)
