@@ -20,6 +20,7 @@
 //                     [--batches 1,16,64,128,256] [--iters 50] [--warmup 10]
 //                     [--stage1 greedy|sampled] [--multicast on|off]
 //                     [--l2_set_aside_mb N] [--interleaved on|off]
+//                     [--methods everything,topp0.9,...]
 //
 // --stage1 sampled scores every row's noise in the controlled path's
 // stage 1 too (its tokens are not used): what running the rows greedy
@@ -33,6 +34,9 @@
 // (Timer::RunInterleaved): its "_interleaved" row's ratio is to the plain
 // kernel's calls of that run, which cancels the drift of the GPU's clock
 // at its power cap (B = 256), as fs_bench's interleaved column does.
+// --methods runs only the named controlled methods (the names after
+// "units_" in the table), so that a profiler sees their kernels alone; the
+// plain, logits-out and cuBLAS rows run every time, as the ratios' bases.
 //
 // Hidden states: "flat" rows are fs_bench's inputs (logits' std about 2.5,
 // softmax entropy near ln V); "peaked" rows scale them until the mean
@@ -69,6 +73,7 @@ struct Options {
   bool multicast = true;     // --multicast off: FusedTuning::multicast_h and _w
   int l2_set_aside_mb = -1;  // --l2_set_aside_mb; < 0: the default
   bool interleaved = false;  // --interleaved on
+  std::vector<std::string> methods;  // --methods; empty: every method
 };
 
 struct ModelConfig {
@@ -101,6 +106,8 @@ bool ParseOptions(int argc, char** argv, Options* options) {
       options->l2_set_aside_mb = std::atoi(value.c_str());
     } else if (flag == "--interleaved" && (value == "on" || value == "off")) {
       options->interleaved = value == "on";
+    } else if (flag == "--methods") {
+      options->methods = SplitCommas(value);
     } else {
       std::fprintf(stderr, "fs_controls_bench: unknown flag %s\n",
                    flag.c_str());
@@ -393,6 +400,14 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       {"topp0.95", true, 0.8f, 0, 0.95f, 0.0f, false},
       {"topp0.9_flat", false, 0.8f, 0, 0.9f, 0.0f, false},
   };
+  for (const std::string& name : options.methods) {
+    if (std::none_of(controlled.begin(), controlled.end(),
+                     [&](const Controls& c) { return c.name == name; })) {
+      std::fprintf(stderr, "fs_controls_bench: --methods: no method %s\n",
+                   name.c_str());
+      return false;
+    }
+  }
 
   for (int batch : options.batches) {
     struct Result {
@@ -455,6 +470,11 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     // maxima for the next launch.
     BENCH_CHECK(cudaMemsetAsync(unit_row_maxima, 0, unit_maxima_bytes, stream));
     for (const Controls& controls : controlled) {
+      if (!options.methods.empty() &&
+          std::find(options.methods.begin(), options.methods.end(),
+                    controls.name) == options.methods.end()) {
+        continue;
+      }
       const ControlledPlan plan = MakePlan(controls, lists, batch);
       const std::vector<unsigned char> bytes = plan.bytes();
       if (bytes.size() > kPlanBytes) {

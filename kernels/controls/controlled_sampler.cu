@@ -1390,6 +1390,16 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
     const float x = controls::ScaledLogit(raw, sum_inv_t);
     if (x >= floor) written += expf(FS_FSUB(x, sum_ref));
   };
+  // One shared atomic per candidate, from the lanes' own early exits, and
+  // the bitmask in a pass over the gathered candidates after the visit.
+  // With every control at qwen B = 1 / 16 / 64 this merge kernel took 30 /
+  // 26 / 29 us; a warp-uniform visit appending by warp (a ballot, one
+  // atomic, a shuffle) took 38 / 34 / 37, and a visit that read each
+  // record's two bitmask words (copied into shared memory by cp.async
+  // beside the entries) 34 / 29 / 33, its rows without a bitmask 4-6 us
+  // slower too (H100, fs_controls_bench, alternating runs in two calls). A
+  // quarter of the kernel's stall cycles wait on instruction fetch (Nsight
+  // Compute, B = 1), and its time follows its code's size and registers.
   auto gather = [&](int64_t q, int slot, float raw) {
     const int at = atomicAdd(&m.gathered, 1);
     if (at < room) {
