@@ -1396,10 +1396,11 @@ __device__ bool GatherUnitCandidates(const ControlledSampleParams& p,
   // 26 / 29 us; a warp-uniform visit appending by warp (a ballot, one
   // atomic, a shuffle) took 38 / 34 / 37, and a visit that read each
   // record's two bitmask words (copied into shared memory by cp.async
-  // beside the entries) 34 / 29 / 33, its rows without a bitmask 4-6 us
+  // beside the entries) 34 / 29 / 33, its rows without a bitmask 3-6 us
   // slower too (H100, fs_controls_bench, alternating runs in two calls). A
   // quarter of the kernel's stall cycles wait on instruction fetch (Nsight
-  // Compute, B = 1), and its time follows its code's size and registers.
+  // Compute, B = 1), and its time follows its code's size and registers
+  // (docs/performance.md#design-decisions-the-measurements-settled).
   auto gather = [&](int64_t q, int slot, float raw) {
     const int at = atomicAdd(&m.gathered, 1);
     if (at < room) {
