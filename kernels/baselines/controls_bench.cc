@@ -33,7 +33,10 @@
 // kernel (logits and units) call for call with the plain kernel
 // (Timer::RunInterleaved): its "_interleaved" row's ratio is to the plain
 // kernel's calls of that run, which cancels the drift of the GPU's clock
-// at its power cap (B = 256), as fs_bench's interleaved column does.
+// at its power cap (B = 256), as fs_bench's interleaved column does; its
+// "_over_cublas_interleaved" rows time each path from the fused kernel
+// call for call with cuBLAS + the same sampler, their ratio to those calls
+// (the CSV's over_fused_plain column holds it).
 // --methods runs only the named controlled methods (the names after
 // "units_" in the table), so that a profiler sees their kernels alone; the
 // plain, logits-out and cuBLAS rows run every time, as the ratios' bases.
@@ -415,6 +418,7 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
       Stats stats;
       double fallback = -1.0;  // rows the full passes sampled, < 0: n/a
       double plain_us = 0.0;   // the ratio's reference; 0: fused_plain's
+      const char* reference = "fused_plain";  // what plain_us timed
     };
     std::vector<Result> results;
     auto time = [&](const std::string& name,
@@ -427,19 +431,27 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
     const std::function<cudaError_t()> plain_launch = [&] {
       return fused(peaked, batch, nullptr, inv_temperature);
     };
-    // `launch` and the plain kernel call for call (--interleaved on).
-    auto time_interleaved = [&](const std::string& name,
-                                const std::function<cudaError_t()>& launch) {
+    // `launch` and `reference` call for call (--interleaved on): the row
+    // `name` + `suffix`, its ratio to the reference's calls.
+    auto time_against = [&](const std::string& name,
+                            const std::function<cudaError_t()>& launch,
+                            const std::function<cudaError_t()>& reference,
+                            const char* reference_name, const char* suffix) {
       if (!options.interleaved) return true;
       Stats stats;
-      Stats plain_stats;
-      if (!timer.RunInterleaved(options.warmup, launch, plain_launch, &stats,
-                                &plain_stats)) {
+      Stats reference_stats;
+      if (!timer.RunInterleaved(options.warmup, launch, reference, &stats,
+                                &reference_stats)) {
         return false;
       }
-      results.push_back(
-          {name + "_interleaved", stats, -1.0, plain_stats.median_us});
+      results.push_back({name + suffix, stats, -1.0, reference_stats.median_us,
+                         reference_name});
       return true;
+    };
+    auto time_interleaved = [&](const std::string& name,
+                                const std::function<cudaError_t()>& launch) {
+      return time_against(name, launch, plain_launch, "fused_plain",
+                          "_interleaved");
     };
     // fused_logits_out is the controlled path's stage 1 (rows greedy);
     // fused_logits_out_sampled scores every row's noise as well.
@@ -579,20 +591,26 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
            !time("units_no_merge_" + controls.name, ranked_launch))) {
         return false;
       }
+      const std::function<cudaError_t()> cublas_launch = [&] {
+        const cudaError_t error =
+            CublasLogits(cublas, weights, h, DType::kBf16, vocab, hidden, batch,
+                         logits, DType::kFp32, stream);
+        return error != cudaSuccess ? error : sample();
+      };
+      // At 256 rows the GPU's clock follows its power cap from call to
+      // call: the fused paths against the cuBLAS baseline call for call too.
       if (!time("fused_" + controls.name, logits_launch) ||
           !record_fallback() ||
           !time_interleaved("fused_" + controls.name, logits_launch) ||
           !time("units_" + controls.name, units_launch) || !record_fallback() ||
           !time_interleaved("units_" + controls.name, units_launch) ||
           !time("sampler_only_" + controls.name, sample) ||
-          !time("cublas_" + controls.name,
-                [&] {
-                  const cudaError_t error =
-                      CublasLogits(cublas, weights, h, DType::kBf16, vocab,
-                                   hidden, batch, logits, DType::kFp32, stream);
-                  return error != cudaSuccess ? error : sample();
-                }) ||
-          !record_fallback()) {
+          !time("cublas_" + controls.name, cublas_launch) ||
+          !record_fallback() ||
+          !time_against("fused_" + controls.name, logits_launch, cublas_launch,
+                        "cublas_with_sampler", "_over_cublas_interleaved") ||
+          !time_against("units_" + controls.name, units_launch, cublas_launch,
+                        "cublas_with_sampler", "_over_cublas_interleaved")) {
         return false;
       }
       // Every row must have sampled: a failed row would time nothing.
@@ -621,9 +639,9 @@ bool RunConfig(const ModelConfig& config, const Options& options, Timer& timer,
                    batch, r.method.c_str(), r.stats.median_us, r.stats.p10_us,
                    r.stats.p90_us, r.stats.median_us / reference,
                    fallback.c_str());
-      std::printf("[%s] B=%3d %-34s %9.1f us  %6.3fx fused_plain%s%s\n",
+      std::printf("[%s] B=%3d %-34s %9.1f us  %6.3fx %s%s%s\n",
                   config.name.c_str(), batch, r.method.c_str(),
-                  r.stats.median_us, r.stats.median_us / reference,
+                  r.stats.median_us, r.stats.median_us / reference, r.reference,
                   fallback.empty() ? "" : "  full-pass rows ",
                   fallback.c_str());
     }
