@@ -14,6 +14,7 @@
 #include "kernels/controls/controlled_math.h"
 #include "kernels/controls/controlled_sampler.h"
 #include "kernels/noise/philox.h"
+#include "kernels/sampler/device_ptx.cuh"
 
 namespace flashsampler {
 namespace {
@@ -952,24 +953,39 @@ __global__ void __launch_bounds__(kChunkThreads, 8)
   // The merge bounds unseen mass only for top_p rows that top_k does not
   // bound; the double exp over every token of such a sum made this kernel
   // compute-bound (0.25 ms at [128, 151936] on an H100), so both sums take
-  // a float exp: the raw sum accumulates in double (lse within 1e-6), the
-  // tail in float (within 2e-4 of exact, covered by the merge's headroom).
+  // a float exp: the raw sum in float per thread and in double across the
+  // block, the tail in float (within 2e-4 of exact, covered by the merge's
+  // headroom).
   const bool want_tail = truncated && !greedy && c.top_p < 1.0f &&
                          !(c.top_k > 0 && c.top_k < vocab);
   const uint32_t boundary = boundary_key;
   double raw_sum = 0.0;
   float tail_sum = 0.0f;
   if (want_raw_sum) {
+    // Each term exp(d), d = l - chunk_max <= 0, is 2^(d log2 e) by
+    // ex2.approx.ftz: within (2 + 1.3 |d|) ulp (the MUFU's 2, the
+    // subtraction's and the product's roundings and log2 e's own), a term
+    // under 2^-126 flushed to zero. Weighted by the terms, the chunk's sum
+    // is within (2 + 1.3 H) ulp, H <= ln 2048 the entropy of the chunk's
+    // softmax (the terms' mean |d|): 7e-7; the thread's 16 terms summed in
+    // float add at most 15 ulp (9e-7): an lse within 2e-6, where the raw
+    // logprobs' contract is 1e-5 of the CPU sampler's. With expf
+    // and each term added in double, this kernel and the merge kernel
+    // took 326-336 against 300-308 us at qwen B = 256 with every control
+    // and raw logprobs, 97 against 92 at B = 64 (H100, two alternating
+    // runs of fs_controls_bench's sampler_only_everything_raw).
+    float thread_sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < kChunkPerThread; ++j) {
       if (raws[j] != controls::kNegInf) {
-        raw_sum = __dadd_rn(
-            raw_sum, static_cast<double>(expf(FS_FSUB(raws[j], chunk_max))));
+        thread_sum =
+            FS_FADD(thread_sum, ptx::Exp2FlushSubnormal(FS_FMUL(
+                                    FS_FSUB(raws[j], chunk_max), ptx::kLog2e)));
       }
     }
     raw_sum = BlockReduceInSlots<kChunkWarps>(
-        raw_sum, [](double a, double b) { return __dadd_rn(a, b); },
-        double_slots);
+        static_cast<double>(thread_sum),
+        [](double a, double b) { return __dadd_rn(a, b); }, double_slots);
   }
   if (want_tail) {
     const float tail_top =

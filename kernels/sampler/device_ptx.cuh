@@ -37,6 +37,8 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src,
                "l"(src), "r"(src_size));
 }
 
+constexpr float kLog2e = 1.44269504f;  // log2 e, rounded to fp32
+
 // 2^x (ex2.approx.ftz: within 2 ulp; a result below 2^-126 is 0): the MUFU
 // instruction alone, where exp2f and __expf's ex2 without .ftz add a
 // compare and two multiplies around it to keep a subnormal result.

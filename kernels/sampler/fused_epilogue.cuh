@@ -1004,8 +1004,6 @@ __device__ __forceinline__ float UnitKeyValue(uint32_t key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
-constexpr float kLog2e = 1.44269504f;  // log2 e, rounded to fp32
-
 // Column b's UnitCandidates::token_classes word for shard rows first_row ..
 // first_row + 15, or null where the launch has no classes or writes no
 // units, or b or first_row is past the batch or the shard.
@@ -1175,9 +1173,9 @@ __device__ __forceinline__ void StoreStagedQuadUnits(const float* staging,
       for (int k = 0; k < 4; ++k) {
         const float v = run_values[k];
         if ((ranked & (1u << (4 * q + k))) != 0u && v <= cut_value) {
-          tail = __fadd_rn(
-              tail, ptx::Exp2FlushSubnormal(__fmul_rn(
-                        __fsub_rn(__fmul_rn(v, inv_t), top_scaled), kLog2e)));
+          tail = __fadd_rn(tail, ptx::Exp2FlushSubnormal(__fmul_rn(
+                                     __fsub_rn(__fmul_rn(v, inv_t), top_scaled),
+                                     ptx::kLog2e)));
         }
       }
     }
