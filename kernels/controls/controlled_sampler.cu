@@ -969,11 +969,11 @@ __global__ void __launch_bounds__(kChunkThreads, 8)
     // is within (2 + 1.3 H) ulp, H <= ln 2048 the entropy of the chunk's
     // softmax (the terms' mean |d|): 7e-7; the thread's 16 terms summed in
     // float add at most 15 ulp (9e-7): an lse within 2e-6, where the raw
-    // logprobs' contract is 1e-5 of the CPU sampler's. With expf
-    // and each term added in double, this kernel and the merge kernel
-    // took 326-336 against 300-308 us at qwen B = 256 with every control
-    // and raw logprobs, 97 against 92 at B = 64 (H100, two alternating
-    // runs of fs_controls_bench's sampler_only_everything_raw).
+    // logprobs' contract is 1e-5 of the CPU sampler's. With expf and each
+    // term added in double, this kernel and the merge kernel took 326-336
+    // us against 300-308 at qwen B = 256 with every control and raw
+    // logprobs, 97 against 92 at B = 64 (H100, two alternating runs of
+    // fs_controls_bench's sampler_only_everything_raw).
     float thread_sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < kChunkPerThread; ++j) {
