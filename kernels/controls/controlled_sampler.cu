@@ -767,6 +767,17 @@ __device__ __forceinline__ void ClassifyChunkTokens(
   }
 }
 
+// exp(x - top) for x <= top, as 2^((x - top) log2 e) by ex2.approx.ftz:
+// within (2 + 1.3 |x - top|) ulp (the MUFU's 2, the subtraction's and the
+// product's roundings and log2 e's own), a term under 2^-126 flushed to
+// zero, two instructions where expf takes about ten. On top_p 0.9 rows
+// (the tail) the chunk and merge kernels took 71.7-71.9 against 75.0-75.1
+// us with expf at qwen B = 64, 248 against 250-258 at 256 (H100, two
+// alternating runs of fs_controls_bench's sampler_only_topp0.9).
+__device__ __forceinline__ float ChunkTerm(float x, float top) {
+  return ptx::Exp2FlushSubnormal(FS_FMUL(FS_FSUB(x, top), ptx::kLog2e));
+}
+
 // One block per (chunk, row); thread t holds tokens begin + t + 128 j, all
 // read once. This kernel is bound by its instructions, not by the logits it
 // reads (Nsight Compute at [256, 151936] with top_k + top_p + min_p on an
@@ -953,34 +964,30 @@ __global__ void __launch_bounds__(kChunkThreads, 8)
   // The merge bounds unseen mass only for top_p rows that top_k does not
   // bound; the double exp over every token of such a sum made this kernel
   // compute-bound (0.25 ms at [128, 151936] on an H100), so both sums take
-  // a float exp: the raw sum in float per thread and in double across the
-  // block, the tail in float (within 2e-4 of exact, covered by the merge's
-  // headroom).
+  // each term as one ex2.approx.ftz (ChunkTerm): the raw sum in float per
+  // thread and in double across the block, the tail in float (each term
+  // within 7e-6 at |x - top| <= 87.4, below which it flushes to zero, the
+  // sum within 2e-4 of exact: covered by the merge's headroom).
   const bool want_tail = truncated && !greedy && c.top_p < 1.0f &&
                          !(c.top_k > 0 && c.top_k < vocab);
   const uint32_t boundary = boundary_key;
   double raw_sum = 0.0;
   float tail_sum = 0.0f;
   if (want_raw_sum) {
-    // Each term exp(d), d = l - chunk_max <= 0, is 2^(d log2 e) by
-    // ex2.approx.ftz: within (2 + 1.3 |d|) ulp (the MUFU's 2, the
-    // subtraction's and the product's roundings and log2 e's own), a term
-    // under 2^-126 flushed to zero. Weighted by the terms, the chunk's sum
-    // is within (2 + 1.3 H) ulp, H <= ln 2048 the entropy of the chunk's
-    // softmax (the terms' mean |d|): 7e-7; the thread's 16 terms summed in
-    // float add at most 15 ulp (9e-7): an lse within 2e-6, where the raw
-    // logprobs' contract is 1e-5 of the CPU sampler's. With expf and each
-    // term added in double, this kernel and the merge kernel took 326-336
-    // us against 300-308 at qwen B = 256 with every control and raw
-    // logprobs, 97 against 92 at B = 64 (H100, two alternating runs of
+    // Weighted by the terms, the chunk's sum is within (2 + 1.3 H) ulp
+    // (ChunkTerm), H <= ln 2048 the entropy of the chunk's softmax (the
+    // terms' mean |d|): 7e-7; the thread's 16 terms summed in float add at
+    // most 15 ulp (9e-7): an lse within 2e-6, where the raw logprobs'
+    // contract is 1e-5 of the CPU sampler's. With expf and each term added
+    // in double, this kernel and the merge kernel took 326-336 us against
+    // 300-308 at qwen B = 256 with every control and raw logprobs, 97
+    // against 92 at B = 64 (H100, two alternating runs of
     // fs_controls_bench's sampler_only_everything_raw).
     float thread_sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < kChunkPerThread; ++j) {
       if (raws[j] != controls::kNegInf) {
-        thread_sum =
-            FS_FADD(thread_sum, ptx::Exp2FlushSubnormal(FS_FMUL(
-                                    FS_FSUB(raws[j], chunk_max), ptx::kLog2e)));
+        thread_sum = FS_FADD(thread_sum, ChunkTerm(raws[j], chunk_max));
       }
     }
     raw_sum = BlockReduceInSlots<kChunkWarps>(
@@ -994,8 +1001,9 @@ __global__ void __launch_bounds__(kChunkThreads, 8)
 #pragma unroll
     for (int j = 0; j < kChunkPerThread; ++j) {
       if (left_out & (1u << j)) {
-        const float x = controls::ScaledLogit(raws[j], inv_t);
-        tail_sum = FS_FADD(tail_sum, expf(FS_FSUB(x, tail_top)));
+        tail_sum =
+            FS_FADD(tail_sum,
+                    ChunkTerm(controls::ScaledLogit(raws[j], inv_t), tail_top));
       }
     }
     tail_sum = BlockReduceInSlots<kChunkWarps>(
