@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/completion_queue.h"
 #include "common/dtype_convert.h"
 #include "common/proto_dtype.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -204,10 +205,8 @@ grpc::Status PolledSample(v1::Sampler::Stub& stub, grpc::ClientContext* context,
   call->Finish(response, &status, &queue);
   void* tag = nullptr;
   bool ok = false;
-  grpc::CompletionQueue::NextStatus next;
-  do {
-    next = queue.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
-  } while (next == grpc::CompletionQueue::TIMEOUT);
+  const grpc::CompletionQueue::NextStatus next =
+      NextWithoutSleeping(queue, &tag, &ok);
   queue.Shutdown();
   void* drained_tag = nullptr;
   bool drained_ok = false;

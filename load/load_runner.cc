@@ -12,7 +12,7 @@
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
-#include "grpc/support/time.h"
+#include "common/completion_queue.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -77,11 +77,8 @@ class WireCaller {
     bool ok = false;
     bool got = false;
     if (poll_spin_) {
-      grpc::CompletionQueue::NextStatus next;
-      do {
-        next = cq_.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
-      } while (next == grpc::CompletionQueue::TIMEOUT);
-      got = next == grpc::CompletionQueue::GOT_EVENT;
+      got = NextWithoutSleeping(cq_, &tag, &ok) ==
+            grpc::CompletionQueue::GOT_EVENT;
     } else {
       got = cq_.Next(&tag, &ok);
     }
